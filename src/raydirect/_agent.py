@@ -1,0 +1,372 @@
+"""The control channel: one agent thread per process, and the client side.
+
+The agent is a ZeroMQ ROUTER bound to this node's Ray address on a daemon
+thread. It serves a producer's objects while the actor's own thread is busy
+(sync, threaded and async actors alike); Ray actor calls cannot, because a
+sync actor runs them only after its current task.
+
+Requests are JSON (never pickle: the channel is reachable from the network);
+each names an object and carries its 128-bit capability from the Payload, so
+only holders of the ref can read the tensors. Transports answer through a
+``Reply``, from a small worker pool, so a slow staging copy never stalls the
+channel; replies reach the ROUTER socket through an inproc queue because ZeroMQ
+sockets belong to one thread.
+
+Consumers talk through a per-thread cache of DEALER sockets. A socket monitor
+and ZeroMQ heartbeats (answered by the peer's I/O thread, GIL or not) turn a
+dead or unreachable producer into ``ProducerLostError`` within seconds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hmac
+import json
+import logging
+import os
+import secrets
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Any
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+from raydirect import _ray
+from raydirect._store import store
+from raydirect.errors import ProducerLostError, TransferError
+
+log = logging.getLogger("raydirect")
+
+_HEARTBEAT_IVL_MS = 1000
+_HEARTBEAT_TIMEOUT_MS = 5000
+_CONNECT_TIMEOUT_MS = 5000
+_RECONNECT_IVL_MS = 100
+# A connection refused this many times in a row means nobody listens any more.
+_REFUSALS_BEFORE_LOST = 5
+_POLL_SLICE_MS = 200
+
+
+def _process_start_time(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (0 if unknown): with the pid
+    it names one process even after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return 0
+    # Field 22; the command name (field 2) may contain spaces, so count after ')'.
+    return int(stat.rsplit(b")", 1)[1].split()[19])
+
+
+def process_alive(pid: int, start_time: int) -> bool:
+    """Is the process ``pid`` that started at ``start_time`` still running (same node)?"""
+    return _process_start_time(pid) == start_time != 0
+
+
+PROCESS_TOKEN = secrets.token_bytes(16)
+PID = os.getpid()
+START_TIME = _process_start_time(PID)
+
+
+def _allow_memory_reads() -> None:
+    """Let same-user processes read our memory with process_vm_readv (the cma
+    transport) where Yama restricts ptrace. EINVAL where Yama is absent: nothing to do."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_ptracer, pr_set_ptracer_any = 0x59616D61, ctypes.c_ulong(-1)
+        libc.prctl(pr_set_ptracer, pr_set_ptracer_any, 0, 0, 0)
+    except OSError:
+        pass
+
+
+# ------------------------------------------------------------------ server
+
+
+class Reply:
+    """How a transport answers one request from inside the agent."""
+
+    def __init__(self, outbox_address: str, identity: bytes, local: threading.local) -> None:
+        self._address = outbox_address
+        self._identity = identity
+        self._local = local
+
+    def _socket(self) -> zmq.Socket:
+        sock = getattr(self._local, "push", None)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(self._address)
+            self._local.push = sock
+        return sock
+
+    def send(self, header: dict[str, Any], *frames: Any, copy: bool = True) -> None:
+        """One message: a JSON header and optional raw frames (sent zero-copy with
+        ``copy=False``; ZeroMQ then holds a reference to each buffer until sent)."""
+        parts = [self._identity, json.dumps(header).encode(), *frames]
+        self._socket().send_multipart(parts, copy=copy)
+
+    def send_frame(self, frame: Any) -> None:
+        """One message of raw bytes, zero-copy: a chunk of a stream."""
+        self._socket().send_multipart([self._identity, frame], copy=False)
+
+
+class Agent:
+    def __init__(self) -> None:
+        ctx = zmq.Context.instance()
+        self._router = ctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.SNDHWM, 0)
+        self._router.setsockopt(zmq.RCVHWM, 0)
+        self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self._router.setsockopt(zmq.LINGER, 0)
+        ip = _ray.node_ip()
+        port = self._router.bind_to_random_port(f"tcp://{ip}")
+        self.address = f"tcp://{ip}:{port}"
+        self._outbox_address = f"inproc://raydirect-outbox-{id(self)}"
+        self._outbox = ctx.socket(zmq.PULL)
+        self._outbox.setsockopt(zmq.RCVHWM, 0)
+        self._outbox.bind(self._outbox_address)
+        self._workers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="raydirect-serve")
+        self._worker_local = threading.local()
+        self._thread = threading.Thread(target=self._loop, name="raydirect-agent", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._outbox, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if self._outbox in events:
+                # Drain replies first: they free consumers that are waiting.
+                while True:
+                    try:
+                        parts = self._outbox.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    try:
+                        self._router.send_multipart(parts, copy=False)
+                    except zmq.ZMQError as exc:  # consumer gone (ROUTER_MANDATORY)
+                        log.debug("raydirect agent: reply dropped: %s", exc)
+            if self._router in events:
+                while True:
+                    try:
+                        identity, raw = self._router.recv_multipart(zmq.NOBLOCK)[:2]
+                    except zmq.Again:
+                        break
+                    except ValueError:  # a single-frame message: malformed
+                        continue
+                    self._workers.submit(self._handle, identity, raw)
+
+    def _handle(self, identity: bytes, raw: bytes) -> None:
+        reply = Reply(self._outbox_address, identity, self._worker_local)
+        try:
+            request = json.loads(raw)
+            op = request["op"]
+            obj_id = bytes.fromhex(request["obj"])
+            capability = bytes.fromhex(request["cap"])
+        except (ValueError, KeyError, TypeError) as exc:
+            log.warning("raydirect agent: malformed request refused (%s)", exc)
+            reply.send({"ok": False, "kind": "bad_request", "error": f"malformed request: {exc}"})
+            return
+        obj = store.get(obj_id)
+        if obj is None or not hmac.compare_digest(obj.capability, capability):
+            if obj is not None:
+                log.warning(
+                    "raydirect agent: request for %s with a wrong capability refused",
+                    obj_id.hex()[:8],
+                )
+            if op != "sent":
+                reply.send(
+                    {
+                        "ok": False,
+                        "kind": "lost",
+                        "error": "object not held here: it was freed, or its producer restarted",
+                    }
+                )
+            return
+        if op == "sent":  # a one-sided read finished: count it, check for in-place writes
+            obj.check_unmodified()
+            store.count_sent(request.get("transport", "?"), obj.nbytes)
+            return
+        if op != "fetch":
+            reply.send({"ok": False, "kind": "bad_request", "error": f"unknown op {op!r}"})
+            return
+        from raydirect.transports.registry import transport_instance
+
+        name = request.get("transport", "")
+        try:
+            transport = transport_instance(name)
+            obj.check_unmodified()
+            transport.serve(obj, request, reply)
+            store.count_sent(name, obj.nbytes)
+        except Exception as exc:
+            log.exception("raydirect agent: serving %s over %s failed", obj_id.hex()[:8], name)
+            reply.send({"ok": False, "kind": "transfer", "error": f"{type(exc).__name__}: {exc}"})
+
+
+_agent: Agent | None = None
+_agent_lock = threading.Lock()
+
+
+def agent() -> Agent:
+    """This process's agent, started on first use."""
+    global _agent
+    if _agent is None:
+        with _agent_lock:
+            if _agent is None:
+                _allow_memory_reads()
+                from raydirect.transports.registry import on_agent_start
+
+                on_agent_start()
+                _agent = Agent()
+    return _agent
+
+
+# ------------------------------------------------------------------ client
+
+
+class Channel:
+    """One consumer's conversation with one producer's agent."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        for opt, value in (
+            (zmq.RCVHWM, 0),
+            (zmq.SNDHWM, 0),
+            (zmq.LINGER, 0),
+            (zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS),
+            (zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS),
+            (zmq.CONNECT_TIMEOUT, _CONNECT_TIMEOUT_MS),
+            (zmq.RECONNECT_IVL, _RECONNECT_IVL_MS),
+        ):
+            self.socket.setsockopt(opt, value)
+        self.monitor = self.socket.get_monitor_socket(
+            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+        )
+        self.socket.connect(address)
+        self.connected = False
+        self.refusals = 0
+        self.lost = False
+        self.poller = zmq.Poller()
+        self.poller.register(self.socket, zmq.POLLIN)
+        self.poller.register(self.monitor, zmq.POLLIN)
+
+    def close(self) -> None:
+        self.socket.disable_monitor()
+        self.monitor.close(0)
+        self.socket.close(0)
+
+    def _read_monitor(self) -> None:
+        while True:
+            try:
+                event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
+            except zmq.Again:
+                return
+            if event == zmq.EVENT_CONNECTED:
+                self.connected, self.refusals = True, 0
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.connected, self.lost = False, True
+            elif event == zmq.EVENT_CONNECT_RETRIED:
+                self.refusals += 1
+
+    def healthy(self) -> bool:
+        self._read_monitor()
+        return not self.lost
+
+    def send(self, header: dict[str, Any]) -> None:
+        self.socket.send(json.dumps(header).encode())
+
+    def wait_readable(self, deadline: float | None, who: str) -> None:
+        """Block until a message is ready; ProducerLostError when the producer is
+        gone, TimeoutError at ``deadline``."""
+        while True:
+            timeout = _POLL_SLICE_MS
+            if deadline is not None:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TimeoutError(f"no answer from {who} before the deadline")
+                timeout = min(timeout, max(1, int(remaining * 1000)))
+            events = dict(self.poller.poll(timeout))
+            if self.socket in events:
+                return
+            self._read_monitor()
+            if self.lost:
+                raise ProducerLostError(
+                    f"the connection to the producer {who} broke during the transfer: the "
+                    "process died or its node is unreachable. Its tensors are lost; re-run "
+                    "the producer to make them again."
+                )
+            if not self.connected and self.refusals >= _REFUSALS_BEFORE_LOST:
+                raise ProducerLostError(
+                    f"cannot reach the producer {who} at {self.address}: the process is dead "
+                    "or restarted, so the object's tensors are lost. Re-run the producer to "
+                    "make them again."
+                )
+
+    def recv_reply(
+        self, deadline: float | None, who: str
+    ) -> tuple[dict[str, Any], list[zmq.Frame]]:
+        self.wait_readable(deadline, who)
+        parts = self.socket.recv_multipart(copy=False)
+        try:
+            header = json.loads(parts[0].bytes)
+        except ValueError as exc:
+            raise TransferError(f"corrupt reply from {who}: {exc}") from exc
+        if not header.get("ok"):
+            message = header.get("error", "unknown error")
+            if header.get("kind") == "lost":
+                raise ProducerLostError(
+                    f"the producer {who} no longer holds this object: "
+                    f"{message}. Re-run the producer to make it again."
+                )
+            raise TransferError(f"the producer {who} could not send the object: {message}")
+        return header, parts[1:]
+
+    def recv_into(self, view: memoryview, deadline: float | None, who: str) -> None:
+        self.wait_readable(deadline, who)
+        got = self.socket.recv_into(view)
+        if got != len(view):
+            raise TransferError(
+                f"corrupt stream from {who}: a chunk of {got} bytes where {len(view)} were due"
+            )
+
+
+class _ChannelCache(threading.local):
+    def __init__(self) -> None:
+        self.channels: dict[str, Channel] = {}
+
+
+_channels = _ChannelCache()
+
+
+@contextmanager
+def channel(address: str) -> Iterator[Channel]:
+    """A channel to ``address`` reused by this thread; closed (not reused) when the
+    conversation fails midway, so no stray reply can reach the next one."""
+    ch = _channels.channels.pop(address, None)
+    if ch is not None and not ch.healthy():
+        ch.close()
+        ch = None
+    if ch is None:
+        ch = Channel(address)
+    try:
+        yield ch
+    except BaseException:
+        ch.close()
+        raise
+    else:
+        old = _channels.channels.pop(address, None)
+        if old is not None:
+            old.close()
+        _channels.channels[address] = ch
+
+
+def notify(address: str, header: dict[str, Any]) -> None:
+    """Fire-and-forget message to an agent (no reply expected)."""
+    with channel(address) as ch:
+        ch.send(header)

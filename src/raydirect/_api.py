@@ -1,0 +1,170 @@
+"""The public functions: method, put, get, wait_tensor_freed, local_stats."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from typing import Any, TypeVar, overload
+
+import ray
+
+from raydirect import _ray
+from raydirect._fetch import fetch_value
+from raydirect._payload import PendingFetch, deferred
+from raydirect._producer import export
+from raydirect._store import LocalStats, store
+from raydirect.errors import FetchTimeoutError
+from raydirect.transports.registry import AUTO, check_name
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_FETCH_THREADS = 8
+_pool: ThreadPoolExecutor | None = None
+
+
+def _export_returns(wrapper: Any, value: Any, transport: str) -> Any:
+    # Read at call time: @ray.method(num_returns=k) may be stacked above us.
+    num_returns = getattr(wrapper, "__ray_num_returns__", 1)
+    if isinstance(num_returns, int) and num_returns > 1:
+        if not isinstance(value, Sequence) or len(value) != num_returns:
+            raise ValueError(
+                f"{wrapper.__qualname__} declares num_returns={num_returns} but returned "
+                f"{type(value).__name__}; return a tuple of {num_returns} values"
+            )
+        return tuple(export(v, transport) for v in value)
+    return export(value, transport)
+
+
+@overload
+def method(fn: F, /) -> F: ...
+@overload
+def method(*, tensor_transport: str = AUTO) -> Callable[[F], F]: ...
+def method(fn: Any = None, /, *, tensor_transport: str = AUTO) -> Any:
+    """Decorate an actor method so the tensors it returns stay in the actor.
+
+    Use bare (``@rd.method``) or with a transport
+    (``@rd.method(tensor_transport="shm")``). Works for sync, threaded and
+    async actors, generator methods, and under or over
+    ``@ray.method(num_returns=k)`` (each return becomes its own object). The
+    transport name is checked at each call, so it may be registered later.
+    """
+    if fn is None:
+        return functools.partial(method, tensor_transport=tensor_transport)
+    if not callable(fn):
+        raise TypeError(
+            f"rd.method decorates a method, got {type(fn).__name__}; write @rd.method or "
+            '@rd.method(tensor_transport="...")'
+        )
+    if not isinstance(tensor_transport, str):
+        raise TypeError(f"tensor_transport must be a transport name, got {tensor_transport!r}")
+    transport = tensor_transport
+
+    wrapper: Any
+    if inspect.isasyncgenfunction(fn):
+
+        async def wrapper(self, *args, **kwargs):
+            async for item in fn(self, *args, **kwargs):
+                yield export(item, transport)
+    elif inspect.iscoroutinefunction(fn):
+
+        async def wrapper(self, *args, **kwargs):
+            return _export_returns(wrapper, await fn(self, *args, **kwargs), transport)
+    elif inspect.isgeneratorfunction(fn):
+
+        def wrapper(self, *args, **kwargs):
+            for item in fn(self, *args, **kwargs):
+                yield export(item, transport)
+    else:
+
+        def wrapper(self, *args, **kwargs):
+            return _export_returns(wrapper, fn(self, *args, **kwargs), transport)
+
+    functools.update_wrapper(wrapper, fn)
+    # Ray reads a method's options after inspect.unwrap: without __wrapped__ it
+    # sees this wrapper, whose signature and @ray.method attributes match fn's.
+    del wrapper.__wrapped__
+    wrapper.__signature__ = inspect.signature(fn)
+    wrapper.__raydirect_transport__ = transport
+    return wrapper
+
+
+def put(value: Any, tensor_transport: str = AUTO) -> ray.ObjectRef:
+    """Like ``ray.put``, but ``value``'s tensors stay in this process (actor,
+    task or driver) and travel directly to whoever gets the ref."""
+    check_name(tensor_transport)
+    _ray.ensure_ray()
+    return ray.put(export(value, tensor_transport, label=_ray.current_task_label() + " rd.put"))
+
+
+def _fetch_pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="raydirect-fetch")
+    return _pool
+
+
+def get(refs: Any, *, timeout: float | None = None, tensor_transport: str | None = None) -> Any:
+    """Like ``ray.get``, but every ref's tensors are fetched concurrently, the
+    whole call is bounded by ``timeout`` (``FetchTimeoutError``, a
+    ``ray.exceptions.GetTimeoutError``), and ``tensor_transport`` can force a
+    transport for this read."""
+    if tensor_transport is not None:
+        check_name(tensor_transport)
+    single = isinstance(refs, ray.ObjectRef)
+    ref_list = [refs] if single else list(refs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    deferred.active = True
+    try:
+        values = ray.get(ref_list, timeout=timeout)
+    finally:
+        deferred.active = False
+    pending = [i for i, v in enumerate(values) if isinstance(v, PendingFetch)]
+    if len(pending) == 1:
+        i = pending[0]
+        try:
+            values[i] = fetch_value(values[i].payload, deadline, tensor_transport)
+        except TimeoutError as exc:
+            raise _timeout_error(timeout, 1, [values[i]]) from exc
+    elif pending:
+        futures = {
+            i: _fetch_pool().submit(fetch_value, values[i].payload, deadline, tensor_transport)
+            for i in pending
+        }
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        done, not_done = wait_futures(
+            futures.values(), timeout=remaining, return_when=FIRST_EXCEPTION
+        )
+        for fut in done:  # the first failure wins, as in ray.get
+            exc = fut.exception()
+            if exc is not None and not isinstance(exc, TimeoutError):
+                raise exc
+        late = [values[i] for i, f in futures.items() if f in not_done or f.exception()]
+        if late:
+            raise _timeout_error(timeout, len(late), late)
+        for i, fut in futures.items():
+            values[i] = fut.result()
+    return values[0] if single else values
+
+
+def _timeout_error(timeout: float | None, count: int, late: list[Any]) -> FetchTimeoutError:
+    who = ", ".join(sorted({p.payload.producer.describe() for p in late}))
+    return FetchTimeoutError(
+        f"rd.get timed out after {timeout}s: {count} object(s) from {who} had not arrived. "
+        "Pass a larger timeout, or check that the producers are alive and reachable "
+        "(`raydirect status`)."
+    )
+
+
+def wait_tensor_freed(tensor: Any, timeout: float | None = None) -> None:
+    """In a producer: block until no live raydirect object holds ``tensor``, so it
+    can be written in place safely. ``TimeoutError`` past ``timeout`` seconds."""
+    store.wait_tensor_freed(tensor, timeout)
+
+
+def local_stats() -> LocalStats:
+    """Objects and bytes this process holds as a producer, and transfer counters."""
+    return store.stats()

@@ -1,0 +1,113 @@
+"""Consumer side: choose a transport, fetch, map failures to clear errors.
+
+This is the one place that orchestrates transfers: transport choice and
+fallback, deadlines, counters, clean-up after a producer's loss. Transports
+below it only move bytes.
+
+``auto``, per pair of processes:
+  same process      -> the stored tensors themselves, no copy
+  same node (cpu)   -> ``cma`` (one copy straight from the producer's memory);
+                       ``shm`` where the kernel refuses cross-memory reads
+  other node        -> ``tcp``
+A declared same-node transport read from another node falls back to ``tcp``
+(logged once per pair of names).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from raydirect import _agent, _ray
+from raydirect._payload import Payload, join
+from raydirect._store import store
+from raydirect._tensors import allocate_bytes, arena_layout, tensors_from_arena
+from raydirect.errors import ProducerLostError, TransportUnavailableError
+from raydirect.transports.base import CommunicatorMetadata, TensorTransportMetadata
+from raydirect.transports.registry import AUTO, check_name, transport_class, transport_instance
+from raydirect.transports.shm import sweep_dead_segments
+
+log = logging.getLogger("raydirect")
+
+_SAME_NODE = "cma"
+_SAME_NODE_FALLBACK = "shm"
+_CROSS_NODE = "tcp"
+
+_refused_cma: set[tuple[str, int]] = set()  # (node id, pid) of producers cma cannot read
+_logged_fallbacks: set[tuple[str, str]] = set()
+_lock = threading.Lock()
+
+
+def choose_transport(payload: Payload, forced: str | None) -> str:
+    """The transport this process uses to read ``payload`` (not for same-process reads)."""
+    wanted = check_name(forced or payload.transport)
+    producer = payload.producer
+    same_node = producer.node_id == _ray.node_id()
+    if wanted == AUTO:
+        if not same_node:
+            return _CROSS_NODE
+        if (producer.node_id, producer.pid) in _refused_cma:
+            return _SAME_NODE_FALLBACK
+        return _SAME_NODE
+    if transport_class(wanted).same_node_only and not same_node:
+        with _lock:
+            first = (wanted, _CROSS_NODE) not in _logged_fallbacks
+            _logged_fallbacks.add((wanted, _CROSS_NODE))
+        if first:
+            log.info(
+                "raydirect: %r reaches only the producer's node; objects from other "
+                "nodes travel over %r",
+                wanted,
+                _CROSS_NODE,
+            )
+        return _CROSS_NODE
+    return wanted
+
+
+def fetch_tensors(
+    payload: Payload, deadline: float | None = None, forced: str | None = None
+) -> list[Any]:
+    """The tensors of ``payload`` in this process (copies, or the originals when
+    this process produced them)."""
+    producer = payload.producer
+    if producer.process_token == _agent.PROCESS_TOKEN:
+        obj = store.get(payload.obj_id)
+        if obj is None:
+            raise ProducerLostError(f"object of {producer.describe()} was already freed here")
+        store.count_received("local", obj.nbytes)
+        return list(obj.originals)
+    name = choose_transport(payload, forced)
+    comm = CommunicatorMetadata(producer, payload.capability, deadline)
+    offsets, total = arena_layout(payload.metas)
+    arena = allocate_bytes(total)
+    targets = [arena[off : off + m.nbytes] for off, m in zip(offsets, payload.metas, strict=True)]
+    try:
+        try:
+            _receive(name, payload, comm, targets)
+        except TransportUnavailableError:
+            if name != _SAME_NODE or (forced or payload.transport) != AUTO:
+                raise
+            with _lock:
+                _refused_cma.add((producer.node_id, producer.pid))
+            log.info(
+                "raydirect: cross-memory reads refused; using %r on this node", _SAME_NODE_FALLBACK
+            )
+            name = _SAME_NODE_FALLBACK
+            _receive(name, payload, comm, targets)
+    except ProducerLostError:
+        if producer.node_id == _ray.node_id():
+            sweep_dead_segments(producer.pid)
+        raise
+    store.count_received(name, payload.nbytes)
+    return tensors_from_arena(arena, payload.metas, offsets)
+
+
+def _receive(name: str, payload: Payload, comm: CommunicatorMetadata, targets: list) -> None:
+    meta = TensorTransportMetadata(payload.metas, "cpu", payload.transport_meta.get(name, {}))
+    transport_instance(name).recv_multiple_tensors(payload.obj_id, meta, comm, targets)
+
+
+def fetch_value(payload: Payload, deadline: float | None = None, forced: str | None = None) -> Any:
+    """The value ``payload`` stands for, rebuilt in this process."""
+    return join(payload.skeleton, fetch_tensors(payload, deadline, forced), payload.handles)

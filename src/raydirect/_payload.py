@@ -1,0 +1,166 @@
+"""The Payload Ray stores for a direct object, and the split/join of values.
+
+``split`` pickles a value with a ``persistent_id`` hook that pulls out every
+tensor (and plain numpy array) plus every Ray handle (ObjectRef, ActorHandle).
+Tensors stay in the producer; Ray handles ride in the Payload as real objects
+so that Ray's serializer sees them and its reference counting stays right for
+refs nested in the value. ``persistent_id`` is not memoised by pickle, so
+identity is deduplicated here: the same tensor twice travels once and arrives
+as one tensor.
+
+Unpickling a Payload in another process is what performs the fetch: Ray calls
+``_rebuild`` wherever it deserializes the object (``ray.get``, task arguments).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray import cloudpickle
+from ray.actor import ActorHandle
+
+from raydirect._tensors import TensorMeta, as_tensor, describe
+
+
+@dataclass(frozen=True, slots=True)
+class ProducerInfo:
+    """Where an object's tensors live and how to reach them."""
+
+    agent_address: str  # tcp://ip:port of the producer's agent
+    node_id: str  # Ray node id
+    pid: int
+    start_time: int  # process start time in clock ticks: tells a reused pid apart
+    process_token: bytes  # random per process: "same process" test
+    label: str  # Class.method / task name, for messages
+
+    def describe(self) -> str:
+        host = self.agent_address.removeprefix("tcp://").rsplit(":", 1)[0]
+        return f"{self.label} (pid {self.pid} on {host})"
+
+
+@dataclass(slots=True)
+class Payload:
+    """The small picklable stand-in Ray stores for a direct object's ref."""
+
+    obj_id: bytes
+    capability: bytes
+    skeleton: bytes
+    handles: list[Any]
+    metas: list[TensorMeta]
+    transport: str
+    producer: ProducerInfo
+    transport_meta: dict[str, Any] = field(default_factory=dict)
+    lease: Any = None  # ObjectRef owned by the producer; its lifetime is the object's
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.metas)
+
+    def __reduce__(self):
+        return (
+            _rebuild,
+            (
+                self.obj_id,
+                self.capability,
+                self.skeleton,
+                self.handles,
+                self.metas,
+                self.transport,
+                self.producer,
+                self.transport_meta,
+                self.lease,
+            ),
+        )
+
+
+class _Deferred(threading.local):
+    active: bool = False
+    tensor_transport: str | None = None
+
+
+deferred = _Deferred()
+
+
+@dataclass(slots=True)
+class PendingFetch:
+    """Returned by a rebuild under ``rd.get``: the fetch starts once every ref is resolved."""
+
+    payload: Payload
+
+
+def _rebuild(*state: Any) -> Any:
+    payload = Payload(*state)
+    if deferred.active:
+        return PendingFetch(payload)
+    from raydirect._fetch import fetch_value
+
+    return fetch_value(payload)
+
+
+# ---------------------------------------------------------------- split / join
+
+_TENSOR = 0
+_HANDLE = 1
+
+
+class _Splitter(cloudpickle.CloudPickler):
+    def __init__(self, file: io.BytesIO) -> None:
+        super().__init__(file, protocol=5)
+        self.originals: list[Any] = []
+        self.tensors: list[Any] = []
+        self.handles: list[Any] = []
+        self._seen: dict[int, tuple[int, int]] = {}
+
+    def persistent_id(self, obj: Any) -> Any:
+        found = self._seen.get(id(obj))
+        if found is not None:
+            return found
+        if isinstance(obj, (ray.ObjectRef, ActorHandle)):
+            pid = (_HANDLE, len(self.handles))
+            self.handles.append(obj)
+        else:
+            tensor = as_tensor(obj)
+            if tensor is None:
+                return None
+            pid = (_TENSOR, len(self.tensors))
+            self.originals.append(obj)
+            self.tensors.append(tensor)
+        self._seen[id(obj)] = pid
+        return pid
+
+
+@dataclass(slots=True)
+class SplitValue:
+    skeleton: bytes
+    originals: list[Any]  # the objects as found in the value (tensors, arrays)
+    tensors: list[Any]  # their torch views
+    handles: list[Any]
+    metas: list[TensorMeta]
+
+
+def split(value: Any) -> SplitValue:
+    buf = io.BytesIO()
+    pickler = _Splitter(buf)
+    pickler.dump(value)
+    metas = [describe(o, t) for o, t in zip(pickler.originals, pickler.tensors, strict=True)]
+    return SplitValue(buf.getvalue(), pickler.originals, pickler.tensors, pickler.handles, metas)
+
+
+class _Joiner(pickle.Unpickler):
+    def __init__(self, data: bytes, tensors: list[Any], handles: list[Any]) -> None:
+        super().__init__(io.BytesIO(data))
+        self._tensors = tensors
+        self._handles = handles
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind, index = pid
+        return self._tensors[index] if kind == _TENSOR else self._handles[index]
+
+
+def join(skeleton: bytes, tensors: list[Any], handles: list[Any]) -> Any:
+    return _Joiner(skeleton, tensors, handles).load()

@@ -1,0 +1,95 @@
+"""Producer side: turn a value into a Payload whose tensors stay here."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+import torch
+
+from raydirect import _agent, _ray
+from raydirect._lease import leases
+from raydirect._payload import Payload, ProducerInfo, split
+from raydirect._store import StoredObject, store
+from raydirect._tensors import flat_bytes
+from raydirect.transports.registry import AUTO, check_name, transport_class, transport_instance
+
+# ``auto`` picks per consumer among these; cma's metadata (addresses) is free to
+# extract, so every object carries it.
+_AUTO_DEVICES = ("cpu",)
+_ALWAYS_EXTRACTED = "cma"
+
+_session: tuple[int, str] | None = None
+
+
+def _check_devices(transport: str, tensors: list[torch.Tensor], label: str) -> None:
+    devices = _AUTO_DEVICES if transport == AUTO else transport_class(transport).devices
+    for t in tensors:
+        if t.device.type not in devices:
+            raise ValueError(
+                f"{label} returned a tensor on {t.device}, but tensor_transport="
+                f"{transport!r} moves only {'/'.join(devices)} memory. Move the tensor "
+                f"(tensor.cpu()) or pick a transport for {t.device.type} memory."
+            )
+
+
+def export(value: Any, transport: str, label: str | None = None) -> Any:
+    """Keep ``value``'s tensors in this process and return the Payload standing
+    for it; a value without tensors is returned unchanged."""
+    global _session
+    check_name(transport)
+    label = label or _ray.current_task_label()
+    parts = split(value)
+    if not parts.tensors:
+        return value
+    _check_devices(transport, parts.tensors, label)
+    session = _ray.session_key()
+    if session != _session:
+        # Objects of an earlier Ray session can never be released by their leases.
+        store.clear()
+        _session = session
+    agent = _agent.agent()
+    obj_id = secrets.token_bytes(16)
+    capability = secrets.token_bytes(16)
+    buffers = [flat_bytes(t) for t in parts.tensors]
+    obj = StoredObject(
+        obj_id=obj_id,
+        capability=capability,
+        originals=parts.originals,
+        buffers=buffers,
+        metas=parts.metas,
+        versions=[t._version for t in parts.tensors],
+        label=label,
+        transport=transport,
+        nbytes=sum(m.nbytes for m in parts.metas),
+    )
+    transport_meta: dict[str, Any] = {}
+    for name in {_ALWAYS_EXTRACTED, transport} - {AUTO}:
+        extra = transport_instance(name).extract_tensor_transport_metadata(obj_id, buffers).extra
+        if extra:
+            transport_meta[name] = extra
+    store.add(obj)
+    try:
+        lease = leases.take(lambda: store.free_later(obj_id))
+    except BaseException:
+        store.free(obj_id)
+        raise
+    producer = ProducerInfo(
+        agent_address=agent.address,
+        node_id=_ray.node_id(),
+        pid=_agent.PID,
+        start_time=_agent.START_TIME,
+        process_token=_agent.PROCESS_TOKEN,
+        label=label,
+    )
+    return Payload(
+        obj_id=obj_id,
+        capability=capability,
+        skeleton=parts.skeleton,
+        handles=parts.handles,
+        metas=parts.metas,
+        transport=transport,
+        producer=producer,
+        transport_meta=transport_meta,
+        lease=lease,
+    )

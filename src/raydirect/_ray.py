@@ -1,0 +1,73 @@
+"""The only module that touches Ray internals.
+
+Everything Ray does not offer publicly goes through here, so a Ray upgrade
+that moves an internal breaks one file. Public Ray API is used directly
+elsewhere.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+
+import ray
+
+
+def add_out_of_scope_callback(ref: ray.ObjectRef, callback: Callable[[bytes], None]) -> bool:
+    """Run ``callback(id_bytes)`` once no reference to ``ref`` exists anywhere.
+
+    Works only in the process that owns ``ref``. Ray runs the callback on a
+    non-main thread about a millisecond after the last reference (local,
+    borrowed, nested, or held by a pending task) is gone. Returns False when
+    the object is already out of scope (the callback will not run).
+    """
+    from ray._private.worker import global_worker
+
+    return bool(global_worker.core_worker.add_object_out_of_scope_callback(ref, callback))
+
+
+def session_key() -> tuple[int, str]:
+    """Changes when this process forks or connects to another Ray session; state
+    tied to one session (leases, node identity) is dropped when it changes."""
+    from ray._private.worker import global_worker
+
+    node = getattr(global_worker, "node", None)
+    return os.getpid(), getattr(node, "session_name", "") or ""
+
+
+@functools.lru_cache(maxsize=4)
+def _node_identity(key: tuple[int, str]) -> tuple[str, str]:
+    ctx = ray.get_runtime_context()
+    return ctx.get_node_id(), ray.util.get_node_ip_address()
+
+
+def node_id() -> str:
+    """The Ray node id of this process."""
+    return _node_identity(session_key())[0]
+
+
+def node_ip() -> str:
+    """The address Ray uses for this node: what the agent binds to."""
+    return _node_identity(session_key())[1]
+
+
+def ensure_ray() -> None:
+    """Connect to Ray the way ``ray.put`` would, if this process is not connected yet."""
+    if not ray.is_initialized():
+        ray.init()
+
+
+def current_task_label() -> str:
+    """A short human name of what runs here, for error messages: ``Class.method``,
+    ``task_name``, or ``driver``."""
+    ctx = ray.get_runtime_context()
+    try:
+        name = ctx.get_task_name()
+    except Exception:  # outside a task (driver) some Ray versions raise
+        name = None
+    return name or "driver"
+
+
+def current_actor_id() -> str | None:
+    return ray.get_runtime_context().get_actor_id()

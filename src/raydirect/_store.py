@@ -1,0 +1,180 @@
+"""The per-process store of primary copies, its statistics, and tensor liveness.
+
+A producer keeps each exported object here until Ray's reference counting says
+no reference is left anywhere (the lease callback). Freeing runs on a reaper
+thread: the lease callback arrives on a Ray-internal thread and must not block
+it with transport clean-up or large deallocations.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from raydirect._tensors import TensorMeta
+
+log = logging.getLogger("raydirect")
+
+
+@dataclass(frozen=True)
+class LocalStats:
+    """What this process holds and has moved. Returned by ``rd.local_stats()``."""
+
+    num_objects: int
+    """Objects this process holds as producer copies."""
+    num_bytes: int
+    """Tensor bytes held in those objects."""
+    objects_sent: dict[str, int]
+    """Transfers served to other processes, by transport."""
+    bytes_sent: dict[str, int]
+    objects_received: dict[str, int]
+    """Objects fetched from other processes (or this one, as ``local``), by transport."""
+    bytes_received: dict[str, int]
+
+
+@dataclass(slots=True)
+class StoredObject:
+    obj_id: bytes
+    capability: bytes
+    originals: list[Any]  # what the value held: returned as-is to the producer itself
+    buffers: list[torch.Tensor]  # flat uint8 bytes to send, one per tensor
+    metas: list[TensorMeta]
+    versions: list[int]  # tensors' version counters when exported
+    label: str
+    transport: str
+    nbytes: int
+    transport_state: dict[str, Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    mutation_warned: bool = False
+
+    def check_unmodified(self) -> None:
+        """Warn (once) if a tensor was written in place after it was exported."""
+        if self.mutation_warned:
+            return
+        for original, version in zip(self.originals, self.versions, strict=True):
+            if isinstance(original, torch.Tensor) and original._version != version:
+                self.mutation_warned = True
+                warnings.warn(
+                    f"a tensor returned by {self.label} was modified in place after it was "
+                    "returned and before a consumer received it; the consumer may see the new "
+                    "or a torn value. Call rd.wait_tensor_freed(tensor) before writing to a "
+                    "tensor you have returned, or return a copy.",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                return
+
+
+class Store:
+    def __init__(self) -> None:
+        self._objects: dict[bytes, StoredObject] = {}
+        self._lock = threading.Condition()
+        self._holders: Counter[int] = Counter()  # id(tensor) -> objects holding it
+        self._nbytes = 0
+        self._sent: Counter[str] = Counter()
+        self._sent_bytes: Counter[str] = Counter()
+        self._received: Counter[str] = Counter()
+        self._received_bytes: Counter[str] = Counter()
+        self._free_queue: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._reaper: threading.Thread | None = None
+
+    # -- producer side
+    def add(self, obj: StoredObject) -> None:
+        with self._lock:
+            self._objects[obj.obj_id] = obj
+            self._nbytes += obj.nbytes
+            for original in obj.originals:
+                self._holders[id(original)] += 1
+
+    def get(self, obj_id: bytes) -> StoredObject | None:
+        with self._lock:
+            return self._objects.get(obj_id)
+
+    def free_later(self, obj_id: bytes) -> None:
+        """Queue ``obj_id`` for freeing; safe from any thread, never blocks."""
+        self._free_queue.put(obj_id)
+        if self._reaper is None:
+            with self._lock:
+                if self._reaper is None:
+                    self._reaper = threading.Thread(
+                        target=self._reap, name="raydirect-reaper", daemon=True
+                    )
+                    self._reaper.start()
+
+    def _reap(self) -> None:
+        while True:
+            obj_id = self._free_queue.get()
+            try:
+                self.free(obj_id)
+            except Exception:  # a failing transport clean-up must not stop freeing
+                log.exception("raydirect: freeing object %s failed", obj_id.hex())
+
+    def free(self, obj_id: bytes) -> None:
+        with self._lock:
+            obj = self._objects.pop(obj_id, None)
+            if obj is None:
+                return
+            self._nbytes -= obj.nbytes
+            for original in obj.originals:
+                key = id(original)
+                self._holders[key] -= 1
+                if self._holders[key] <= 0:
+                    del self._holders[key]
+            self._lock.notify_all()
+        from raydirect.transports.registry import release_state
+
+        release_state(obj)
+
+    def clear(self) -> None:
+        """Drop every object (their leases belong to a Ray session that ended)."""
+        with self._lock:
+            ids = list(self._objects)
+        for obj_id in ids:
+            self.free(obj_id)
+
+    def wait_tensor_freed(self, tensor: Any, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while self._holders.get(id(tensor), 0) > 0:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(
+                        f"tensor still held by {self._holders[id(tensor)]} raydirect object(s) "
+                        f"after {timeout}s: a ref to an object containing it is still alive "
+                        "somewhere (in a consumer, a pending task, or a variable). Drop those "
+                        "refs, or copy the tensor instead of writing it in place."
+                    )
+                self._lock.wait(remaining)
+
+    # -- counters
+    def count_sent(self, transport: str, nbytes: int) -> None:
+        with self._lock:
+            self._sent[transport] += 1
+            self._sent_bytes[transport] += nbytes
+
+    def count_received(self, transport: str, nbytes: int) -> None:
+        with self._lock:
+            self._received[transport] += 1
+            self._received_bytes[transport] += nbytes
+
+    def stats(self) -> LocalStats:
+        with self._lock:
+            return LocalStats(
+                num_objects=len(self._objects),
+                num_bytes=self._nbytes,
+                objects_sent=dict(self._sent),
+                bytes_sent=dict(self._sent_bytes),
+                objects_received=dict(self._received),
+                bytes_received=dict(self._received_bytes),
+            )
+
+
+store = Store()

@@ -1,0 +1,142 @@
+"""Tensor bytes: what travels for each tensor, and the buffers it lands in.
+
+A tensor travels as the bytes of its own elements in row-major order (a view
+sends its elements, not its base's storage; a non-contiguous tensor is packed
+once, in the producer). The consumer receives every tensor of one object into
+one *arena* and hands out views of it, so an object costs one allocation.
+
+Fresh pages cost more than the copy on these machines (DESIGN.md section 7):
+a copy into a new ``torch.empty`` runs at ~2.5 GB/s, into memory backed by
+transparent huge pages at ~10 GB/s. Large arenas therefore come from an
+anonymous ``mmap`` advised ``MADV_HUGEPAGE`` and wrapped as a tensor, which
+then owns the mapping (closing it under a live tensor would crash the next read).
+"""
+
+from __future__ import annotations
+
+import mmap
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+# Arena slots start on cache-line boundaries so every dtype view is aligned.
+_ALIGN = 64
+# Below this an arena is an ordinary tensor: huge pages would waste memory.
+_HUGEPAGE_MIN_BYTES = 4 << 20
+_HUGEPAGE = 2 << 20
+
+KIND_TORCH = 0
+KIND_NUMPY = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    """What a consumer needs to rebuild one tensor from its bytes."""
+
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix
+    nbytes: int
+    device: str
+    kind: int = KIND_TORCH
+    requires_grad: bool = False
+    is_parameter: bool = False
+    np_dtype: str | None = None  # numpy arrays: their own dtype string
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown torch dtype {name!r}")
+    return dtype
+
+
+def as_tensor(obj: Any) -> torch.Tensor | None:
+    """The torch view of a torch tensor or a plain numpy array, or None when
+    ``obj`` cannot travel as raw bytes (object arrays, strings, datetimes)."""
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, np.ndarray):
+        if obj.dtype.hasobject:
+            return None
+        try:
+            arr = np.ascontiguousarray(obj)
+            if not arr.flags.writeable:
+                arr = arr.copy()
+            return torch.from_numpy(arr)
+        except TypeError:  # dtypes torch lacks (strings, datetime64, ...)
+            return None
+    return None
+
+
+def describe(obj: Any, tensor: torch.Tensor) -> TensorMeta:
+    is_numpy = isinstance(obj, np.ndarray)
+    return TensorMeta(
+        shape=tuple(tensor.shape),
+        dtype=str(tensor.dtype).removeprefix("torch."),
+        nbytes=tensor.numel() * tensor.element_size(),
+        device=tensor.device.type,
+        kind=KIND_NUMPY if is_numpy else KIND_TORCH,
+        requires_grad=bool(getattr(obj, "requires_grad", False)),
+        is_parameter=isinstance(obj, torch.nn.Parameter),
+        np_dtype=obj.dtype.str if is_numpy else None,
+    )
+
+
+def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A 1-d uint8 tensor over exactly this tensor's elements (packing a
+    non-contiguous tensor once)."""
+    t = tensor.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def arena_layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
+    """Offsets of each tensor in an arena, and the arena's size."""
+    offsets = []
+    pos = 0
+    for meta in metas:
+        offsets.append(pos)
+        pos += (meta.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+    return offsets, pos
+
+
+def allocate_bytes(nbytes: int) -> torch.Tensor:
+    """A 1-d uint8 CPU tensor of ``nbytes``, backed by huge pages when large."""
+    if nbytes < _HUGEPAGE_MIN_BYTES:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    size = (nbytes + _HUGEPAGE - 1) // _HUGEPAGE * _HUGEPAGE
+    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    # The tensor keeps ``region`` alive; it is unmapped when the last view goes.
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
+
+
+def tensors_from_arena(arena: torch.Tensor, metas: list[TensorMeta], offsets: list[int]) -> list:
+    """Views of ``arena`` shaped as ``metas`` describe: torch tensors or numpy arrays."""
+    out: list[Any] = []
+    for meta, off in zip(metas, offsets, strict=True):
+        dtype = torch_dtype(meta.dtype)
+        if meta.nbytes == 0:
+            t = torch.empty(meta.shape, dtype=dtype)
+        else:
+            t = arena[off : off + meta.nbytes].view(dtype).view(meta.shape)
+        out.append(finish(t, meta))
+    return out
+
+
+def finish(t: torch.Tensor, meta: TensorMeta) -> Any:
+    """Give a received tensor back its Python type: numpy array, Parameter, grad flag."""
+    if meta.kind == KIND_NUMPY:
+        arr = t.numpy()
+        if meta.np_dtype is not None and arr.dtype.str != meta.np_dtype:
+            arr = arr.view(np.dtype(meta.np_dtype))
+        return arr
+    if meta.is_parameter:
+        return torch.nn.Parameter(t, requires_grad=meta.requires_grad)
+    if meta.requires_grad:
+        t.requires_grad_(True)
+    return t

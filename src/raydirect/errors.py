@@ -1,0 +1,86 @@
+"""Every error raydirect raises, in one place.
+
+Hierarchy::
+
+    RaydirectError                      base of everything below
+    ├── UnknownTransportError (ValueError)
+    │       raised by ``rd.method``/``rd.put``/``rd.get`` when a transport name
+    │       is not registered; the message lists the known names.
+    ├── TransportUnavailableError
+    │       raised in a consumer when the transport an object declares cannot
+    │       reach it and no fallback applies.
+    ├── ProducerLostError
+    │       raised in a consumer when the process holding an object's tensors
+    │       died, restarted, or no longer holds the object.
+    ├── TransferError
+    │       raised in a consumer when bytes failed to move for another reason
+    │       (a transport error, a corrupt or truncated reply).
+    └── FetchTimeoutError (ray.exceptions.GetTimeoutError, so TimeoutError)
+            raised by ``rd.get`` when its ``timeout`` runs out.
+
+``rd.wait_tensor_freed`` raises the builtin ``TimeoutError``.
+
+When Ray itself rebuilds a value (``ray.get`` or a task argument) an error
+raised by the fetch reaches the caller wrapped in ``ray.exceptions.RaySystemError``;
+its text carries the message below, which says what happened and what to do.
+"""
+
+from __future__ import annotations
+
+import ray.exceptions
+
+__all__ = [
+    "FetchTimeoutError",
+    "ProducerLostError",
+    "RaydirectError",
+    "TransferError",
+    "TransportUnavailableError",
+    "UnknownTransportError",
+]
+
+
+class RaydirectError(Exception):
+    """Base class of raydirect's errors."""
+
+
+class UnknownTransportError(RaydirectError, ValueError):
+    """A transport name that is not registered was named.
+
+    Raised by ``rd.method`` wrappers at call time, ``rd.put`` and ``rd.get``.
+    """
+
+    def __init__(self, name: object, known: list[str]) -> None:
+        self.name = name
+        self.known = sorted(known)
+        super().__init__(
+            f"unknown tensor transport {name!r}; known transports: {', '.join(self.known)}. "
+            'Pick one of these ("auto" chooses per pair of processes).'
+        )
+
+    def __reduce__(self):  # exceptions with custom __init__ need this to cross processes
+        return (type(self), (self.name, self.known))
+
+
+class TransportUnavailableError(RaydirectError):
+    """The consumer cannot use the transport an object needs, and no fallback applies."""
+
+
+class ProducerLostError(RaydirectError):
+    """The producer of an object died, restarted, or no longer holds the object.
+
+    Raised in a consumer, within a bounded time (never a hang), naming the
+    producer. The tensors are gone: re-run the producer method to make them again.
+    """
+
+
+class TransferError(RaydirectError):
+    """Moving an object's bytes failed for a reason other than the producer's loss."""
+
+
+class FetchTimeoutError(RaydirectError, ray.exceptions.GetTimeoutError):
+    """``rd.get`` did not finish within its ``timeout``.
+
+    Subclasses ``ray.exceptions.GetTimeoutError`` (and so ``TimeoutError``), so
+    code written for ``ray.get(..., timeout=...)`` catches it unchanged. Transfers
+    still running are abandoned; their receive buffers are released.
+    """

