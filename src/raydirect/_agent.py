@@ -116,7 +116,7 @@ class Reply:
 
 class Agent:
     def __init__(self) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context = zmq.Context.instance()
         self._router = ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.SNDHWM, 0)
         self._router.setsockopt(zmq.RCVHWM, 0)
@@ -234,7 +234,7 @@ class Channel:
 
     def __init__(self, address: str) -> None:
         self.address = address
-        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         for opt, value in (
             (zmq.RCVHWM, 0),
             (zmq.SNDHWM, 0),
@@ -245,7 +245,7 @@ class Channel:
             (zmq.RECONNECT_IVL, _RECONNECT_IVL_MS),
         ):
             self.socket.setsockopt(opt, value)
-        self.monitor = self.socket.get_monitor_socket(
+        self.monitor: zmq.Socket = self.socket.get_monitor_socket(
             zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
         )
         self.socket.connect(address)

@@ -139,9 +139,9 @@ def get(refs: Any, *, timeout: float | None = None, tensor_transport: str | None
             futures.values(), timeout=remaining, return_when=FIRST_EXCEPTION
         )
         for fut in done:  # the first failure wins, as in ray.get
-            exc = fut.exception()
-            if exc is not None and not isinstance(exc, TimeoutError):
-                raise exc
+            error = fut.exception()
+            if error is not None and not isinstance(error, TimeoutError):
+                raise error
         late = [values[i] for i, f in futures.items() if f in not_done or f.exception()]
         if late:
             raise _timeout_error(timeout, len(late), late)

@@ -24,7 +24,8 @@ def add_out_of_scope_callback(ref: ray.ObjectRef, callback: Callable[[bytes], No
     """
     from ray._private.worker import global_worker
 
-    return bool(global_worker.core_worker.add_object_out_of_scope_callback(ref, callback))
+    core_worker = global_worker.core_worker  # type: ignore[attr-defined]
+    return bool(core_worker.add_object_out_of_scope_callback(ref, callback))
 
 
 def session_key() -> tuple[int, str]:

@@ -74,8 +74,8 @@ def read_remote(
         comm_meta.check_deadline()
         while batch:
             n = len(batch)
-            local = (_Iovec * n)(*[(lo, ln) for lo, _, ln in batch])
-            remote = (_Iovec * n)(*[(re, ln) for _, re, ln in batch])
+            local = (_Iovec * n)(*[_Iovec(lo, ln) for lo, _, ln in batch])
+            remote = (_Iovec * n)(*[_Iovec(re, ln) for _, re, ln in batch])
             got = _readv(pid, local, n, remote, n, 0)
             if got < 0:
                 err = ctypes.get_errno()

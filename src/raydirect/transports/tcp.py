@@ -37,7 +37,7 @@ def chunks(view: memoryview, size: int = CHUNK_BYTES):
 
 def byte_view(t: torch.Tensor) -> memoryview:
     """Writable memoryview over a flat uint8 CPU tensor's bytes."""
-    return memoryview(t.numpy()).cast("B")
+    return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 class TcpTransport(TensorTransportManager):
