@@ -296,16 +296,12 @@ class Channel:
                 return
             self._read_monitor()
             if self.lost:
-                raise ProducerLostError(
-                    f"the connection to the producer {who} broke during the transfer: the "
-                    "process died or its node is unreachable. Its tensors are lost; re-run "
-                    "the producer to make them again."
+                raise ProducerLostError.of(
+                    who, "is unreachable: its process died or its node is down"
                 )
             if not self.connected and self.refusals >= _REFUSALS_BEFORE_LOST:
-                raise ProducerLostError(
-                    f"cannot reach the producer {who} at {self.address}: the process is dead "
-                    "or restarted, so the object's tensors are lost. Re-run the producer to "
-                    "make them again."
+                raise ProducerLostError.of(
+                    who, f"cannot be reached at {self.address}: its process died or restarted"
                 )
 
     def recv_reply(
@@ -320,10 +316,7 @@ class Channel:
         if not header.get("ok"):
             message = header.get("error", "unknown error")
             if header.get("kind") == "lost":
-                raise ProducerLostError(
-                    f"the producer {who} no longer holds this object: "
-                    f"{message}. Re-run the producer to make it again."
-                )
+                raise ProducerLostError.of(who, f"no longer holds the object ({message})")
             raise TransferError(f"the producer {who} could not send the object: {message}")
         return header, parts[1:]
 

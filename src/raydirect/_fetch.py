@@ -74,7 +74,7 @@ def fetch_tensors(
     if producer.process_token == _agent.PROCESS_TOKEN:
         obj = store.get(payload.obj_id)
         if obj is None:
-            raise ProducerLostError(f"object of {producer.describe()} was already freed here")
+            raise ProducerLostError.of(producer.describe(), "already freed the object")
         store.count_received("local", obj.nbytes)
         return list(obj.originals)
     name = choose_transport(payload, forced)

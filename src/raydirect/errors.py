@@ -72,6 +72,13 @@ class ProducerLostError(RaydirectError):
     producer. The tensors are gone: re-run the producer method to make them again.
     """
 
+    @classmethod
+    def of(cls, who: str, what_happened: str) -> ProducerLostError:
+        return cls(
+            f"the producer {who} {what_happened}; the object's tensors are lost. "
+            "Re-run the producer to make them again."
+        )
+
 
 class TransferError(RaydirectError):
     """Moving an object's bytes failed for a reason other than the producer's loss."""

@@ -80,10 +80,7 @@ def read_remote(
             if got < 0:
                 err = ctypes.get_errno()
                 if err == errno.ESRCH:
-                    raise ProducerLostError(
-                        f"the producer {who} died; its tensors are lost. "
-                        "Re-run the producer to make them again."
-                    )
+                    raise ProducerLostError.of(who, "died")
                 if err == errno.EPERM:
                     raise TransportUnavailableError(
                         f"the kernel refuses cross-memory reads from {who} (EPERM): use "
@@ -129,10 +126,7 @@ class CmaTransport(TensorTransportManager):
         who = producer.describe()
         # A pid names the producer only while it runs: a reused pid is another process.
         if not _agent.process_alive(producer.pid, producer.start_time):
-            raise ProducerLostError(
-                f"the producer {who} is no longer running; its tensors are "
-                "lost. Re-run the producer to make them again."
-            )
+            raise ProducerLostError.of(who, "is no longer running")
         ptrs: list[Any] = meta.extra["ptrs"]
         spans = [
             (t.data_ptr(), p, t.numel())

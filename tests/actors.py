@@ -1,0 +1,286 @@
+"""Actor classes shared by the tests (shipped to workers by value, see conftest)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+import warnings
+from typing import Any
+
+import numpy as np
+import ray
+import torch
+
+import raydirect as rd
+
+
+def make_value(case: str) -> Any:
+    """Deterministic values: the producer and the checker build the same one."""
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(64, 32, generator=g)
+    if case == "dtypes":
+        return {
+            "f32": base,
+            "f16": base.half(),
+            "bf16": base.bfloat16(),
+            "f64": base.double(),
+            "i8": (base * 10).to(torch.int8),
+            "u8": (base * 10).abs().to(torch.uint8),
+            "i64": torch.arange(100),
+            "bool": base > 0,
+            "c64": torch.complex(base, -base),
+            "zero_d": torch.tensor(3.5),
+            "empty": torch.empty(0, 5),
+        }
+    if case == "views":
+        storage = torch.arange(1000, dtype=torch.float32)
+        return {
+            "transposed": base.t(),
+            "strided": base[::3, 1::2],
+            "slice_of_big": storage[100:140],
+            "narrow_view": storage.view(10, 100)[2:4, 50:60],
+            "expanded": torch.ones(3, 1).expand(3, 4),
+        }
+    if case == "aliasing":
+        t = base.clone()
+        return {"a": t, "b": t, "nested": [t, (t, {"deep": t})], "other": base + 1}
+    if case == "numpy":
+        return {
+            "arr": np.arange(12, dtype=np.float64).reshape(3, 4),
+            "ints": np.arange(7, dtype=np.int32),
+            "noncontig": np.arange(20).reshape(4, 5)[:, ::2],
+            "objects": np.array(["a", "b"], dtype=object),
+            "strings": np.array(["x", "yz"]),
+            "tensor": base,
+        }
+    if case == "no_tensors":
+        return {"a": 1, "b": [1, 2, "three"], "c": None}
+    if case == "params":
+        return {
+            "param": torch.nn.Parameter(base.clone()),
+            "grad": base.clone().requires_grad_(True),
+            "plain": base.clone(),
+        }
+    raise ValueError(case)
+
+
+def describe_mismatch(got: Any, want: Any, path: str = "") -> str | None:
+    """None when ``got`` equals ``want`` in value, dtype, shape and type; else where not."""
+    if isinstance(want, torch.Tensor):
+        if type(got) is not type(want):
+            return f"{path}: type {type(got).__name__} != {type(want).__name__}"
+        if got.dtype != want.dtype or got.shape != want.shape:
+            return f"{path}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
+        if got.requires_grad != want.requires_grad:
+            return f"{path}: requires_grad {got.requires_grad} != {want.requires_grad}"
+        if not torch.equal(got.detach(), want.detach()):
+            return f"{path}: values differ"
+        return None
+    if isinstance(want, np.ndarray):
+        if not isinstance(got, np.ndarray) or got.dtype != want.dtype or got.shape != want.shape:
+            return f"{path}: {type(got).__name__} {getattr(got, 'dtype', '')} != {want.dtype}"
+        return None if np.array_equal(got, want) else f"{path}: values differ"
+    if isinstance(want, dict):
+        if set(got) != set(want):
+            return f"{path}: keys {sorted(got)} != {sorted(want)}"
+        for k in want:
+            r = describe_mismatch(got[k], want[k], f"{path}.{k}")
+            if r:
+                return r
+        return None
+    if isinstance(want, (list, tuple)):
+        if type(got) is not type(want) or len(got) != len(want):
+            return f"{path}: {type(got).__name__}[{len(got)}] != {type(want).__name__}"
+        for i, (g, w) in enumerate(zip(got, want)):
+            r = describe_mismatch(g, w, f"{path}[{i}]")
+            if r:
+                return r
+        return None
+    return None if got == want else f"{path}: {got!r} != {want!r}"
+
+
+def check_value(case: str, got: Any) -> str | None:
+    want = make_value(case)
+    problem = describe_mismatch(got, want)
+    if problem is None and case == "aliasing":
+        if not (got["a"] is got["b"] is got["nested"][0] is got["nested"][1][1]["deep"]):
+            problem = "the same tensor arrived as several tensors"
+    return problem
+
+
+@ray.remote(num_cpus=0)
+class Producer:
+    def __init__(self) -> None:
+        self.kept: dict[str, Any] = {}
+        self.warnings: list[str] = []
+        self._gate = threading.Event()
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def put(self, case: str, transport: str = "auto") -> list[ray.ObjectRef]:
+        # Wrapped in a list so the driver receives the ref itself, not its value.
+        return [rd.put(make_value(case), tensor_transport=transport)]
+
+    @rd.method
+    def value(self, case: str) -> Any:
+        return make_value(case)
+
+    @rd.method(tensor_transport="tcp")
+    def value_tcp(self, case: str) -> Any:
+        return make_value(case)
+
+    @rd.method(tensor_transport="shm")
+    def value_shm(self, case: str) -> Any:
+        return make_value(case)
+
+    @rd.method
+    def big(self, nbytes: int, fill: int) -> torch.Tensor:
+        t = torch.empty(nbytes, dtype=torch.uint8)
+        t.fill_(fill)
+        t[::4096] = torch.arange(t[::4096].numel(), dtype=torch.int64).remainder(251).to(torch.uint8)
+        return t
+
+    @rd.method
+    def keep(self, key: str, n: int = 1000) -> torch.Tensor:
+        self.kept[key] = torch.arange(n, dtype=torch.float32)
+        return self.kept[key]
+
+    def is_kept(self, key: str, value: Any) -> bool:
+        """Passing a ref back to its producer must give the very same tensor."""
+        return value is self.kept[key]
+
+    def write_in_place(self, key: str) -> None:
+        self.kept[key].add_(1)
+
+    def wait_freed(self, key: str, timeout: float) -> str:
+        try:
+            rd.wait_tensor_freed(self.kept[key], timeout=timeout)
+            return "freed"
+        except TimeoutError as exc:
+            return f"timeout: {exc}"
+
+    def record_warnings(self) -> None:
+        warnings.simplefilter("always")
+
+        def hook(message, category, *args, **kwargs):
+            self.warnings.append(f"{category.__name__}: {message}")
+
+        warnings.showwarning = hook
+
+    def recorded_warnings(self) -> list[str]:
+        return list(self.warnings)
+
+    def stats(self) -> rd.LocalStats:
+        return rd.local_stats()
+
+    def block_forever(self) -> None:
+        self._gate.wait()
+
+    @ray.method(num_returns=2)
+    @rd.method
+    def two_below(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ones(3), torch.zeros(4)
+
+    @rd.method
+    @ray.method(num_returns=2)
+    def two_above(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.ones(5), torch.zeros(6)
+
+    @rd.method
+    def gen(self, n: int):
+        for i in range(n):
+            yield torch.full((4,), float(i))
+
+
+@ray.remote(num_cpus=0)
+class Consumer:
+    def __init__(self) -> None:
+        self.held: Any = None
+        self._gate = threading.Event()
+
+    def check(self, case: str, value: Any) -> str | None:
+        return check_value(case, value)
+
+    def check_nested(self, case: str, refs: list[ray.ObjectRef]) -> str | None:
+        return check_value(case, ray.get(refs[0]))
+
+    def check_twice(self, case: str, a: Any, b: Any) -> str | None:
+        return check_value(case, a) or check_value(case, b)
+
+    def summarize(self, value: Any) -> tuple[int, int, list[int]]:
+        t = value
+        return t.numel(), int(t[1]), t[::4096][:8].tolist()
+
+    def hold(self, refs: list[ray.ObjectRef]) -> None:
+        """Borrow: keep a nested ref alive after the caller dropped its own."""
+        self.held = refs
+
+    def check_held(self, case: str) -> str | None:
+        return check_value(case, ray.get(self.held[0]))
+
+    def check_after(self, case: str, value: Any, _gate: Any) -> str | None:
+        return check_value(case, value)
+
+    def drop(self) -> None:
+        self.held = None
+
+    def wait_gate(self, timeout: float) -> bool:
+        return self._gate.wait(timeout)
+
+    def open_gate(self) -> None:
+        self._gate.set()
+
+    def get_with_rd(self, refs: list[ray.ObjectRef], timeout: float | None = None) -> list[Any]:
+        return rd.get(refs, timeout=timeout)
+
+    def fetch_error(self, refs: list[ray.ObjectRef]) -> str:
+        try:
+            ray.get(refs[0])
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+
+@ray.remote(num_cpus=0, max_concurrency=4)
+class ThreadedProducer:
+    @rd.method
+    def value(self, case: str) -> Any:
+        time.sleep(0.01)
+        return make_value(case)
+
+
+@ray.remote(num_cpus=0)
+class AsyncProducer:
+    @rd.method
+    async def value(self, case: str) -> Any:
+        await asyncio.sleep(0.01)
+        return make_value(case)
+
+
+@ray.remote(num_cpus=0)
+class AsyncConsumer:
+    async def check(self, case: str, value: Any) -> str | None:
+        await asyncio.sleep(0)
+        return check_value(case, value)
+
+    async def check_nested(self, case: str, refs: list[ray.ObjectRef]) -> str | None:
+        return check_value(case, await refs[0])
+
+
+@ray.remote(num_cpus=0)
+def task_put(case: str) -> list[ray.ObjectRef]:
+    return [rd.put(make_value(case))]
+
+
+@ray.remote(num_cpus=0)
+def task_check(case: str, value: Any) -> str | None:
+    return check_value(case, value)

@@ -1,0 +1,45 @@
+"""One real local Ray for the whole test session (Ray on 2 cores is slow to start)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+import ray
+from ray import cloudpickle
+
+import actors
+
+# Workers cannot import the tests directory: ship the helper actors by value.
+cloudpickle.register_pickle_by_value(actors)
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=16,
+            include_dashboard=False,
+            logging_level="warning",
+            runtime_env={"env_vars": {"RAYDIRECT_TEST": "1"}},
+        )
+    yield
+    ray.shutdown()
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = 30.0, what: str = "") -> object:
+    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(0.05)
+
+
+def shm_segments() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("rd-")}

@@ -1,0 +1,180 @@
+"""The public API: decorator forms, actor kinds, put from anywhere, get, stats, errors."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+import ray
+import torch
+
+import raydirect as rd
+from actors import (
+    AsyncConsumer,
+    AsyncProducer,
+    Consumer,
+    Producer,
+    ThreadedProducer,
+    check_value,
+    make_value,
+    task_check,
+    task_put,
+)
+from conftest import wait_for
+
+
+@pytest.fixture(scope="module")
+def pair(ray_session):
+    p, c = Producer.remote(), Consumer.remote()
+    yield p, c
+    ray.kill(p)
+    ray.kill(c)
+
+
+def test_public_names():
+    assert sorted(rd.__all__) == sorted(
+        [
+            "FetchTimeoutError", "LocalStats", "ProducerLostError", "RaydirectError",
+            "TransferError", "TransportUnavailableError", "UnknownTransportError",
+            "get", "local_stats", "method", "put", "wait_tensor_freed",
+        ]
+    )
+    for name in rd.__all__:
+        assert hasattr(rd, name)
+
+
+def test_num_returns_stacked_below_and_above(pair):
+    p, c = pair
+    a, b = p.two_below.remote()
+    assert torch.equal(ray.get(a), torch.ones(3)) and torch.equal(ray.get(b), torch.zeros(4))
+    a, b = p.two_above.remote()
+    assert torch.equal(ray.get(a), torch.ones(5)) and torch.equal(ray.get(b), torch.zeros(6))
+
+
+def test_generator_method(pair):
+    p, _ = pair
+    values = [ray.get(r) for r in p.gen.remote(3)]
+    assert [v.tolist() for v in values] == [[float(i)] * 4 for i in range(3)]
+
+
+def test_threaded_actor(ray_session):
+    p, c = ThreadedProducer.remote(), Consumer.remote()
+    refs = [p.value.remote("views") for _ in range(8)]
+    assert ray.get([c.check.remote("views", r) for r in refs]) == [None] * 8
+    ray.kill(p)
+    ray.kill(c)
+
+
+def test_async_producer_and_consumer(ray_session):
+    p, c = AsyncProducer.remote(), AsyncConsumer.remote()
+    ref = p.value.remote("aliasing")
+    assert ray.get(c.check.remote("aliasing", ref)) is None
+    assert ray.get(c.check_nested.remote("dtypes", [p.value.remote("dtypes")])) is None
+    assert check_value("aliasing", ray.get(ref)) is None
+    ray.kill(p)
+    ray.kill(c)
+
+
+def test_put_from_driver_task_and_actor(pair):
+    p, c = pair
+    ref = rd.put(make_value("dtypes"))
+    assert ray.get(c.check.remote("dtypes", ref)) is None
+    # The driver reading its own object gets its own tensors back, uncopied.
+    value = make_value("aliasing")
+    same = ray.get(rd.put(value))
+    assert same["a"] is value["a"]
+    [from_task] = ray.get(task_put.remote("views"))
+    assert ray.get(task_check.remote("views", from_task)) is None
+    assert check_value("views", ray.get(from_task)) is None
+    [from_actor] = ray.get(p.put.remote("numpy"))
+    assert ray.get(task_check.remote("numpy", from_actor)) is None
+
+
+def test_ref_passed_back_to_its_producer_is_the_same_tensor(pair):
+    p, _ = pair
+    ref = p.keep.remote("same")
+    assert ray.get(p.is_kept.remote("same", ref)) is True
+
+
+def test_rd_get_many_refs_concurrently(pair):
+    p, c = pair
+    refs = [p.value.remote("dtypes") for _ in range(6)] + [rd.put(make_value("views"))]
+    values = rd.get(refs, timeout=60)
+    assert [check_value("dtypes", v) for v in values[:6]] == [None] * 6
+    assert check_value("views", values[6]) is None
+    # In an actor too, and forcing a transport.
+    got = ray.get(c.get_with_rd.remote(refs[:3], 60))
+    assert [check_value("dtypes", v) for v in got] == [None] * 3
+    assert check_value("dtypes", rd.get(refs[0], tensor_transport="tcp")) is None
+
+
+def test_rd_get_timeout(pair):
+    p, _ = pair
+    # A ref that never resolves within the timeout.
+    blocker = Consumer.options(max_concurrency=2).remote()
+    never = blocker.wait_gate.remote(60)
+    start = time.monotonic()
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        rd.get([p.value.remote("dtypes"), never], timeout=1.0)
+    assert time.monotonic() - start < 10
+    # A transfer that cannot finish in time: 256 MiB over tcp within 1 ms.
+    big = p.big.remote(256 << 20, 3)
+    ray.wait([big])
+    with pytest.raises(ray.exceptions.GetTimeoutError) as info:
+        rd.get(big, timeout=0.001, tensor_transport="tcp")
+    assert isinstance(info.value, TimeoutError)
+    # The process and the producer stay usable.
+    assert rd.get(big, timeout=60, tensor_transport="tcp").numel() == 256 << 20
+    ray.get(blocker.open_gate.remote())
+    ray.kill(blocker)
+    # The exception's traceback holds the refs in a cycle: release them now.
+    del info, big
+    gc.collect()
+
+
+def test_unknown_transport_names_the_known_ones(pair):
+    p, _ = pair
+    with pytest.raises(rd.UnknownTransportError, match="known transports: auto, cma, shm, tcp"):
+        rd.put(torch.ones(2), tensor_transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="carrier-pigeon"):
+        rd.get(rd.put(torch.ones(2)), tensor_transport="carrier-pigeon")
+    with pytest.raises(ray.exceptions.RayTaskError, match="known transports"):
+        ray.get(p.put.remote("dtypes", "carrier-pigeon"))
+    with pytest.raises(TypeError, match="rd.method"):
+        rd.method(3)
+
+
+def test_local_stats_count_objects_and_bytes(pair):
+    p, c = pair
+    wait_for(lambda: ray.get(p.stats.remote()).num_objects == 0, what="store empty")
+    ref = p.keep.remote("stats", 1000)
+    stats = ray.get(p.stats.remote())
+    assert stats.num_objects == 1 and stats.num_bytes == 4000
+    ray.get(c.summarize.remote(ref))
+    assert ray.get(p.stats.remote()).objects_sent.get("cma", 0) >= 1
+    del ref
+    wait_for(lambda: ray.get(p.stats.remote()).num_objects == 0, what="object freed")
+
+
+def test_wait_tensor_freed(pair):
+    p, _ = pair
+    ref = p.keep.remote("wtf")
+    ray.wait([ref])
+    assert ray.get(p.wait_freed.remote("wtf", 0.2)).startswith("timeout: tensor still held")
+    del ref
+    assert ray.get(p.wait_freed.remote("wtf", 30)) == "freed"
+
+
+def test_in_place_write_after_return_warns_when_sent(pair):
+    p, c = pair
+    ray.get(p.record_warnings.remote())
+    ref = p.keep.remote("mut")
+    ray.wait([ref])
+    ray.get(p.write_in_place.remote("mut"))
+    ray.get(c.summarize.remote(ref))
+    found = wait_for(
+        lambda: [w for w in ray.get(p.recorded_warnings.remote()) if "modified in place" in w],
+        what="mutation warning",
+    )
+    assert "wait_tensor_freed" in found[0] and "keep" in found[0]

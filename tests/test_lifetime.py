@@ -1,0 +1,131 @@
+"""Lifetime follows Ray's reference counting; failures end in clear errors, not hangs."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import ray
+
+import raydirect as rd
+from actors import Consumer, Producer, check_value
+from conftest import shm_segments, wait_for
+
+
+@pytest.fixture(scope="module")
+def pair(ray_session):
+    p, c = Producer.remote(), Consumer.remote()
+    yield p, c
+    ray.kill(p)
+    ray.kill(c)
+
+
+def held(p) -> int:
+    return ray.get(p.stats.remote()).num_objects
+
+
+def test_freed_when_last_ref_dropped(pair):
+    p, c = pair
+    wait_for(lambda: held(p) == 0, what="empty store")
+    ref = p.value.remote("dtypes")
+    assert ray.get(c.check.remote("dtypes", ref)) is None
+    assert held(p) == 1
+    del ref
+    wait_for(lambda: held(p) == 0, what="object freed")
+
+
+def test_borrower_holding_nested_ref_keeps_object(pair):
+    p, c = pair
+    wait_for(lambda: held(p) == 0, what="empty store")
+    ref = p.value.remote("views")
+    ray.get(c.hold.remote([ref]))  # c borrows a nested ref
+    del ref
+    # The driver's ref is gone; the borrower's keeps the object alive and readable.
+    assert ray.get(c.check_held.remote("views")) is None
+    assert held(p) == 1
+    ray.get(c.drop.remote())
+    wait_for(lambda: held(p) == 0, what="freed after the borrower dropped it")
+
+
+def test_ref_deleted_before_the_consumer_task_ran(pair):
+    p, c = pair
+    blocker = Consumer.options(max_concurrency=2).remote()
+    gate = blocker.wait_gate.remote(60)
+    ref = p.value.remote("aliasing")
+    # The task cannot start before ``gate`` resolves; meanwhile only it holds ``ref``.
+    result = c.check_after.remote("aliasing", ref, gate)
+    del ref
+    assert held(p) >= 1
+    ray.get(blocker.open_gate.remote())
+    assert ray.get(result) is None
+    ray.kill(blocker)
+
+
+def test_same_ref_twice_in_one_task(pair):
+    p, c = pair
+    ref = p.value.remote("numpy")
+    assert ray.get(c.check_twice.remote("numpy", ref, ref)) is None
+
+
+def test_many_objects_leave_nothing_behind(pair):
+    p, c = pair
+    before = shm_segments()
+    methods = [p.value, p.value_shm, p.value_tcp]
+    for i in range(200):
+        ref = methods[i % 3].remote("views")
+        assert ray.get(c.check.remote("views", ref)) is None
+        del ref
+    wait_for(lambda: held(p) == 0, what="store empty after 200 objects")
+    stats = ray.get(p.stats.remote())
+    assert stats.num_bytes == 0
+    # Segments are pooled for reuse, not one per object.
+    assert len(shm_segments() - before) <= 2
+
+
+def test_producer_blocked_forever_still_serves(pair):
+    p, c = pair
+    ref = p.value.remote("dtypes")
+    ray.wait([ref])
+    p.block_forever.remote()  # the actor's only thread never returns
+    for transport in ("tcp", "shm", "cma", "auto"):
+        assert check_value("dtypes", rd.get(ref, timeout=30, tensor_transport=transport)) is None
+    assert ray.get(c.check.remote("dtypes", ref), timeout=30) is None
+
+
+def test_killed_producer_gives_clear_error_in_bounded_time(ray_session):
+    p, c = Producer.remote(), Consumer.remote()
+    refs = [p.value_shm.remote("dtypes"), p.value_tcp.remote("dtypes"), p.value.remote("dtypes")]
+    assert ray.get(c.check.remote("dtypes", refs[0])) is None  # staged in a segment
+    pid = ray.get(p.pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    for ref in refs:
+        start = time.monotonic()
+        with pytest.raises(rd.ProducerLostError, match="Re-run the producer"):
+            rd.get(ref)
+        assert time.monotonic() - start < 15
+        message = ray.get(c.fetch_error.remote([ref]), timeout=60)
+        assert "RaySystemError" in message and "Producer.value" in message
+    # Nothing left in /dev/shm by the killed process.
+    assert not [s for s in shm_segments() if s.startswith(f"rd-{pid}-")]
+    ray.kill(c)
+
+
+def test_restarted_producer_reports_lost_object(ray_session):
+    p = Producer.options(max_restarts=1).remote()
+    ref = p.value_tcp.remote("dtypes")
+    ray.wait([ref])
+    old = ray.get(p.pid.remote())
+    os.kill(old, signal.SIGKILL)
+    wait_for(lambda: _pid_or_none(p) not in (None, old), timeout=60, what="restart")
+    with pytest.raises(rd.ProducerLostError):
+        rd.get(ref, timeout=30)
+    ray.kill(p)
+
+
+def _pid_or_none(actor):
+    try:
+        return ray.get(actor.pid.remote(), timeout=5)
+    except Exception:
+        return None
