@@ -19,7 +19,9 @@ dead or unreachable producer into ``ProducerLostError`` within seconds.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import dataclasses
 import hmac
 import json
 import logging
@@ -166,6 +168,9 @@ class Agent:
         try:
             request = json.loads(raw)
             op = request["op"]
+            if op == "stats":  # counts only, no tensor data: needs no capability
+                reply.send({"ok": True, "stats": dataclasses.asdict(store.stats())})
+                return
             obj_id = bytes.fromhex(request["obj"])
             capability = bytes.fromhex(request["cap"])
         except (ValueError, KeyError, TypeError) as exc:
@@ -223,7 +228,25 @@ def agent() -> Agent:
 
                 on_agent_start()
                 _agent = Agent()
+                _announce(_agent)
     return _agent
+
+
+def _announce(server: Agent) -> None:
+    """Publish this agent for ``raydirect status``; withdrawn at a clean exit."""
+    key = f"{_ray.node_id()}/{PID}"
+    info = {
+        "address": server.address,
+        "pid": PID,
+        "node_id": _ray.node_id(),
+        "actor_id": _ray.current_actor_id(),
+        "label": _ray.current_task_label(),
+    }
+    try:
+        _ray.publish_agent(key, json.dumps(info).encode())
+        atexit.register(_ray.withdraw_agent, key)
+    except Exception:  # status is a convenience: never fail a transfer for it
+        log.debug("raydirect: could not publish the agent", exc_info=True)
 
 
 # ------------------------------------------------------------------ client
@@ -363,3 +386,11 @@ def notify(address: str, header: dict[str, Any]) -> None:
     """Fire-and-forget message to an agent (no reply expected)."""
     with channel(address) as ch:
         ch.send(header)
+
+
+def query_stats(address: str, timeout: float = 2.0) -> dict[str, Any]:
+    """The ``LocalStats`` of the process whose agent listens at ``address``, as a dict."""
+    with channel(address) as ch:
+        ch.send({"op": "stats"})
+        header, _ = ch.recv_reply(time.monotonic() + timeout, address)
+    return dict(header["stats"])

@@ -72,3 +72,33 @@ def current_task_label() -> str:
 
 def current_actor_id() -> str | None:
     return ray.get_runtime_context().get_actor_id()
+
+
+# Agents announce themselves in Ray's internal key-value store so that
+# ``raydirect status`` can find every process holding objects.
+_AGENT_KEY_PREFIX = b"raydirect/agent/"
+
+
+def publish_agent(key: str, info: bytes) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(_AGENT_KEY_PREFIX + key.encode(), info, overwrite=True)
+
+
+def withdraw_agent(key: str) -> None:
+    from ray.experimental import internal_kv
+
+    if internal_kv._internal_kv_initialized():
+        internal_kv._internal_kv_del(_AGENT_KEY_PREFIX + key.encode())
+
+
+def published_agents() -> dict[str, bytes]:
+    from ray.experimental import internal_kv
+
+    keys = internal_kv._internal_kv_list(_AGENT_KEY_PREFIX) or []
+    out = {}
+    for key in keys:
+        value = internal_kv._internal_kv_get(key)
+        if value is not None:
+            out[key[len(_AGENT_KEY_PREFIX) :].decode()] = value
+    return out

@@ -1,0 +1,61 @@
+"""The ``raydirect`` command: demo, status, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from raydirect._demo import run_demo
+
+    return run_demo(quick=args.quick)
+
+
+def _status(args: argparse.Namespace) -> int:
+    import ray
+
+    from raydirect._status import collect, format_table
+
+    ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
+    rows = collect()
+    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench.py"
+    if not script.exists():
+        print(
+            "raydirect bench runs benchmarks/bench.py from a source checkout of raydirect; "
+            "clone the repository and run it there.",
+            file=sys.stderr,
+        )
+        return 2
+    return subprocess.call([sys.executable, str(script), *args.rest], env=os.environ.copy())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="raydirect", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="move tensors over every transport on an embedded Ray")
+    demo.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
+    demo.set_defaults(func=_demo)
+    status = sub.add_parser("status", help="objects and bytes held per process in a cluster")
+    status.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
+    status.add_argument("--json", action="store_true", help="machine-readable output")
+    status.set_defaults(func=_status)
+    bench = sub.add_parser("bench", help="benchmarks against Ray's object store and RDT")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for benchmarks/bench.py")
+    bench.set_defaults(func=_bench)
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
