@@ -18,6 +18,7 @@ import re
 import statistics
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -71,6 +72,7 @@ FLOOR_FRESH = "floor: copy into fresh torch.empty"
 FLOOR_REUSED = "floor: copy into reused memory"
 GROUPS = ("raydirect", "object-store", "rdt", "floors")
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _SIZE_UNITS = {"": 1, "b": 1, "kib": KIB, "mib": MIB, "gib": GIB}
 
 
@@ -197,15 +199,16 @@ class RdtProducer(PatternSource):
         if self.tensor is not None:
             from ray.experimental import wait_tensor_freed
 
-            wait_tensor_freed(self.tensor, timeout=FREE_TIMEOUT_S)
+            with warnings.catch_warnings():  # Ray's own code uses a deprecated name
+                warnings.simplefilter("ignore", DeprecationWarning)
+                wait_tensor_freed(self.tensor, timeout=FREE_TIMEOUT_S)
 
     @ray.method(tensor_transport="gloo")
     def make(self) -> torch.Tensor:
         return self.tensor
 
 
-@ray.remote(num_cpus=ACTOR_NUM_CPUS)
-class Consumer:
+class CheckingConsumer:
     """Receives the tensor as a task argument, checks it cheaply, drops it."""
 
     def consume(self, tensor: Any, seed: int, nbytes: int) -> int:
@@ -214,6 +217,19 @@ class Consumer:
 
     def stats(self) -> dict[str, Any]:
         return asdict(rd.local_stats())
+
+
+@ray.remote(num_cpus=ACTOR_NUM_CPUS)
+class Consumer(CheckingConsumer):
+    """The consumer of the raydirect and object-store rows."""
+
+
+# RDT receives on a system concurrency group that Ray adds only when the class
+# is declared with enable_tensor_transport=True: ``.options(...)`` on a plain
+# class does not add it, and the transfer then deadlocks behind ``consume``.
+@ray.remote(num_cpus=ACTOR_NUM_CPUS, enable_tensor_transport=True)
+class RdtConsumer(CheckingConsumer):
+    """The consumer of the RDT row."""
 
 
 # ---------------------------------------------------------------- measurement
@@ -255,7 +271,7 @@ def time_transfers(
             else:
                 row.times_s.append(seconds)
     except Exception as exc:  # report the row as n/a and go on with the others
-        row.error = f"{type(exc).__name__}: {first_line(str(exc))}"
+        row.error = describe_error(exc)
         log(f"{system} @ {format_size(nbytes)} FAILED: {row.error}")
     else:
         median = row.median_gbps()
@@ -282,10 +298,10 @@ def actor_transfer(
 
 
 @contextmanager
-def actor_pair(producer_cls: Any, consumer_options: dict[str, Any] | None = None):
+def actor_pair(producer_cls: Any, consumer_cls: Any) -> Iterator[tuple[Any, Any]]:
     """A started producer and consumer, killed on exit."""
     producer = producer_cls.remote()
-    consumer = Consumer.options(**(consumer_options or {})).remote()
+    consumer = consumer_cls.remote()
     try:
         ray.get(
             [producer.__ray_ready__.remote(), consumer.__ray_ready__.remote()],
@@ -297,29 +313,47 @@ def actor_pair(producer_cls: Any, consumer_options: dict[str, Any] | None = None
             ray.kill(actor)
 
 
+def time_pair(
+    producer: Any,
+    consumer: Any,
+    systems: Sequence[tuple[str, str]],
+    sizes: Sequence[int],
+    repeats: Callable[[int], int],
+    seed_iter: Iterator[int],
+) -> list[Row]:
+    """For each size: size the producer's tensor, then time each (system, producer
+    method) in turn. A setup failure marks that size's rows n/a."""
+    rows: list[Row] = []
+    for nbytes in sizes:
+        try:
+            ray.get(producer.allocate.remote(nbytes), timeout=SETUP_TIMEOUT_S)
+        except Exception as exc:
+            reason = f"producer setup failed: {describe_error(exc)}"
+            log(f"{format_size(nbytes)}: {reason}")
+            rows += [Row(system, nbytes, error=reason) for system, _ in systems]
+            continue
+        for system, method_name in systems:
+            make = getattr(producer, method_name).remote
+            transfer = actor_transfer(producer, make, consumer, nbytes)
+            rows.append(time_transfers(system, nbytes, repeats(nbytes), transfer, seed_iter))
+    return rows
+
+
 def bench_raydirect(
     sizes: Sequence[int], repeats: Callable[[int], int], seed_iter: Iterator[int]
 ) -> list[Row]:
     """How fast does raydirect move one tensor producer actor -> consumer actor,
     per transport (auto, cma, shm, tcp), end to end as seen by the driver?"""
-    rows: list[Row] = []
+    systems = [(raydirect_system(t), f"make_{t}") for t in RAYDIRECT_TRANSPORTS]
     log("raydirect: starting producer and consumer")
-    with actor_pair(RaydirectProducer) as (producer, consumer):
-        for nbytes in sizes:
-            ray.get(producer.allocate.remote(nbytes), timeout=SETUP_TIMEOUT_S)
-            for transport in RAYDIRECT_TRANSPORTS:
-                method = getattr(producer, f"make_{transport}")
-                transfer = actor_transfer(producer, method.remote, consumer, nbytes)
-                rows.append(
-                    time_transfers(
-                        raydirect_system(transport), nbytes, repeats(nbytes), transfer, seed_iter
-                    )
-                )
-        ray.get(producer.prepare.remote(0), timeout=SETUP_TIMEOUT_S)  # last object freed?
-        held = ray.get(producer.stats.remote())
-        received = ray.get(consumer.stats.remote())
-        log(f"raydirect producer stats: {held}")
-        log(f"raydirect consumer stats: {received}")
+    with actor_pair(RaydirectProducer, Consumer) as (producer, consumer):
+        rows = time_pair(producer, consumer, systems, sizes, repeats, seed_iter)
+        try:  # after the last object is freed, nothing should be held
+            ray.get(producer.prepare.remote(SEED_START), timeout=SETUP_TIMEOUT_S)
+            log(f"raydirect producer stats: {ray.get(producer.stats.remote())}")
+            log(f"raydirect consumer stats: {ray.get(consumer.stats.remote())}")
+        except Exception as exc:
+            log(f"raydirect: stats unavailable: {describe_error(exc)}")
     return rows
 
 
@@ -328,14 +362,9 @@ def bench_object_store(
 ) -> list[Row]:
     """How fast does Ray's object store move one tensor returned by a plain
     actor method to another actor that takes it as an argument?"""
-    rows: list[Row] = []
     log("object store: starting producer and consumer")
-    with actor_pair(ObjectStoreProducer) as (producer, consumer):
-        for nbytes in sizes:
-            ray.get(producer.allocate.remote(nbytes), timeout=SETUP_TIMEOUT_S)
-            transfer = actor_transfer(producer, producer.make.remote, consumer, nbytes)
-            rows.append(time_transfers(OBJECT_STORE, nbytes, repeats(nbytes), transfer, seed_iter))
-    return rows
+    with actor_pair(ObjectStoreProducer, Consumer) as (producer, consumer):
+        return time_pair(producer, consumer, [(OBJECT_STORE, "make")], sizes, repeats, seed_iter)
 
 
 def bench_rdt_gloo(
@@ -350,28 +379,22 @@ def bench_rdt_gloo(
         )
     except ImportError as exc:
         return [Row(RDT_GLOO, n, error=f"ImportError: {exc}") for n in sizes]
-    rows: list[Row] = []
     log("RDT gloo: starting producer and consumer")
-    # The consumer gets RDT's system concurrency group, as the producer does.
-    with actor_pair(RdtProducer, {"enable_tensor_transport": True}) as (producer, consumer):
+    with actor_pair(RdtProducer, RdtConsumer) as (producer, consumer):
         log("RDT gloo: creating the collective group")
         try:
             group = create_collective_group([producer, consumer], backend="torch_gloo")
         except Exception as exc:
-            reason = f"create_collective_group failed: {type(exc).__name__}: {first_line(str(exc))}"
+            reason = f"create_collective_group failed: {describe_error(exc)}"
             log(f"RDT gloo: {reason}")
             return [Row(RDT_GLOO, n, error=reason) for n in sizes]
         try:
-            for nbytes in sizes:
-                ray.get(producer.allocate.remote(nbytes), timeout=SETUP_TIMEOUT_S)
-                transfer = actor_transfer(producer, producer.make.remote, consumer, nbytes)
-                rows.append(time_transfers(RDT_GLOO, nbytes, repeats(nbytes), transfer, seed_iter))
+            return time_pair(producer, consumer, [(RDT_GLOO, "make")], sizes, repeats, seed_iter)
         finally:
             try:
                 destroy_collective_group(group)
-            except Exception as exc:
-                log(f"RDT gloo: destroy_collective_group failed: {exc}")
-    return rows
+            except Exception as exc:  # e.g. RDT already tore it down after a failure
+                log(f"RDT gloo: destroy_collective_group: {describe_error(exc)}")
 
 
 def time_floor(system: str, nbytes: int, repeats: int, copy: Callable[[torch.Tensor], None]) -> Row:
@@ -420,7 +443,16 @@ def bench_floors(sizes: Sequence[int], repeats: Callable[[int], int]) -> list[Ro
 
 
 def first_line(text: str) -> str:
-    return text.strip().splitlines()[0] if text.strip() else "(no message)"
+    text = _ANSI.sub("", text).strip()
+    return text.splitlines()[0] if text else "(no message)"
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line naming the real error (a remote task's cause rather than Ray's wrapper)."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        exc = cause
+    return f"{type(exc).__name__}: {first_line(str(exc))}"
 
 
 def parse_size(text: str) -> int:
