@@ -18,7 +18,6 @@ import re
 import statistics
 import sys
 import time
-import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -197,11 +196,11 @@ class RdtProducer(PatternSource):
 
     def wait_free(self) -> None:
         if self.tensor is not None:
+            # Ray logs a "DeprecationWarning: `ray.worker.global_worker`" line here
+            # once: its own wait_tensor_freed uses that name.
             from ray.experimental import wait_tensor_freed
 
-            with warnings.catch_warnings():  # Ray's own code uses a deprecated name
-                warnings.simplefilter("ignore", DeprecationWarning)
-                wait_tensor_freed(self.tensor, timeout=FREE_TIMEOUT_S)
+            wait_tensor_freed(self.tensor, timeout=FREE_TIMEOUT_S)
 
     @ray.method(tensor_transport="gloo")
     def make(self) -> torch.Tensor:

@@ -29,6 +29,7 @@ import torch
 from raydirect import _agent
 from raydirect._agent import channel
 from raydirect._tensors import arena_layout
+from raydirect.errors import TransferError
 from raydirect.transports.base import (
     CommunicatorMetadata,
     TensorTransportManager,
@@ -189,6 +190,25 @@ class _MappedSegments:
         return view
 
 
+def _checked_reply(
+    header: dict[str, Any], targets: list[torch.Tensor], who: str
+) -> tuple[str, int, list[int]]:
+    """The segment a reply names, refusing anything that could make this process
+    open another file or read past the segment."""
+    try:
+        name, size = str(header["segment"]), int(header["size"])
+        offsets = [int(o) for o in header["offsets"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TransferError(f"corrupt reply from {who}: {exc}") from exc
+    if not name.startswith(PREFIX) or "/" in name or name in (".", ".."):
+        raise TransferError(f"corrupt reply from {who}: bad segment name {name!r}")
+    if len(offsets) != len(targets) or any(
+        off < 0 or off + t.numel() > size for off, t in zip(offsets, targets, strict=True)
+    ):
+        raise TransferError(f"corrupt reply from {who}: tensor offsets outside the segment")
+    return name, size, offsets
+
+
 class ShmTransport(TensorTransportManager):
     name = "shm"
     one_sided = True
@@ -239,7 +259,8 @@ class ShmTransport(TensorTransportManager):
                 }
             )
             header, _ = ch.recv_reply(comm_meta.deadline, who)
-        seg = self._mapped.view(header["segment"], int(header["size"]))
-        for target, off in zip(target_buffers, header["offsets"], strict=True):
+        name, size, offsets = _checked_reply(header, target_buffers, who)
+        seg = self._mapped.view(name, size)
+        for target, off in zip(target_buffers, offsets, strict=True):
             copy_sliced(target, seg[off : off + target.numel()], comm_meta)
         return target_buffers

@@ -89,7 +89,9 @@ class TcpTransport(TensorTransportManager):
                         )
                     byte_view(target)[:] = data
                 return target_buffers
-            chunk = int(header.get("chunk", CHUNK_BYTES))
+            chunk = header.get("chunk")
+            if not isinstance(chunk, int) or chunk <= 0:
+                raise TransferError(f"corrupt reply from {who}: chunk size {chunk!r}")
             for target in target_buffers:
                 for piece in chunks(byte_view(target), chunk):
                     ch.recv_into(piece, deadline, who)

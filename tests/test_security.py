@@ -1,0 +1,63 @@
+"""The control channel: bound to the node's address, capability-checked, robust to garbage."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import pytest
+import ray
+import zmq
+
+import raydirect as rd
+from actors import Producer, check_value
+
+
+def agent_address(actor) -> str:
+    return ray.get(actor.__ray_call__.remote(lambda self: __import__(
+        "raydirect._agent", fromlist=["agent"]).agent().address))
+
+
+@pytest.fixture(scope="module")
+def producer(ray_session):
+    p = Producer.remote()
+    yield p
+    ray.kill(p)
+
+
+def ask(address: str, *frames: bytes) -> dict:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        sock.send_multipart(list(frames))
+        assert sock.poll(10_000), "the agent did not answer"
+        return json.loads(sock.recv_multipart()[0])
+    finally:
+        sock.close()
+
+
+def test_agent_listens_on_the_node_address_only(producer):
+    address = agent_address(producer)
+    assert address.startswith(f"tcp://{ray.util.get_node_ip_address()}:")
+    assert "0.0.0.0" not in address and "127.0.0.1" not in address
+
+
+def test_requests_without_the_right_capability_are_refused(producer):
+    address = agent_address(producer)
+    ref = producer.keep.remote("sec")
+    ray.wait([ref])
+    [obj_hex] = ray.get(producer.__ray_call__.remote(
+        lambda self: [k.hex() for k in __import__("raydirect._store", fromlist=["store"])
+                      .store._objects]))
+    for cap in (secrets.token_hex(16), "", "00" * 16):
+        reply = ask(address, json.dumps({"op": "fetch", "obj": obj_hex, "cap": cap,
+                                         "transport": "tcp"}).encode())
+        assert reply["ok"] is False and reply["kind"] == "lost"
+    for garbage in (b"\xff\x00garbage", b"{}", b'{"op": "fetch"}', b"[1, 2]",
+                    json.dumps({"op": "fetch", "obj": "zz", "cap": "zz"}).encode()):
+        reply = ask(address, garbage)
+        assert reply["ok"] is False and reply["kind"] == "bad_request"
+    # The agent survived all of it and still serves the real holder of the ref.
+    assert rd.get(ref, timeout=30, tensor_transport="tcp").tolist() == list(range(1000))
+    assert check_value("dtypes", rd.get(producer.value.remote("dtypes"), timeout=30)) is None
