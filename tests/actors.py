@@ -92,7 +92,7 @@ def describe_mismatch(got: Any, want: Any, path: str = "") -> str | None:
     if isinstance(want, (list, tuple)):
         if type(got) is not type(want) or len(got) != len(want):
             return f"{path}: {type(got).__name__}[{len(got)}] != {type(want).__name__}"
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=False)):
             r = describe_mismatch(g, w, f"{path}[{i}]")
             if r:
                 return r
@@ -100,12 +100,15 @@ def describe_mismatch(got: Any, want: Any, path: str = "") -> str | None:
     return None if got == want else f"{path}: {got!r} != {want!r}"
 
 
+def _one_tensor(got: Any) -> bool:
+    return got["a"] is got["b"] is got["nested"][0] is got["nested"][1][1]["deep"]
+
+
 def check_value(case: str, got: Any) -> str | None:
     want = make_value(case)
     problem = describe_mismatch(got, want)
-    if problem is None and case == "aliasing":
-        if not (got["a"] is got["b"] is got["nested"][0] is got["nested"][1][1]["deep"]):
-            problem = "the same tensor arrived as several tensors"
+    if problem is None and case == "aliasing" and not _one_tensor(got):
+        problem = "the same tensor arrived as several tensors"
     return problem
 
 
@@ -141,7 +144,9 @@ class Producer:
     def big(self, nbytes: int, fill: int) -> torch.Tensor:
         t = torch.empty(nbytes, dtype=torch.uint8)
         t.fill_(fill)
-        t[::4096] = torch.arange(t[::4096].numel(), dtype=torch.int64).remainder(251).to(torch.uint8)
+        t[::4096] = (
+            torch.arange(t[::4096].numel(), dtype=torch.int64).remainder(251).to(torch.uint8)
+        )
         return t
 
     @rd.method

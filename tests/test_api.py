@@ -10,6 +10,7 @@ import ray
 import torch
 
 import raydirect as rd
+
 from actors import (
     AsyncConsumer,
     AsyncProducer,
@@ -35,9 +36,18 @@ def pair(ray_session):
 def test_public_names():
     assert sorted(rd.__all__) == sorted(
         [
-            "FetchTimeoutError", "LocalStats", "ProducerLostError", "RaydirectError",
-            "TransferError", "TransportUnavailableError", "UnknownTransportError",
-            "get", "local_stats", "method", "put", "wait_tensor_freed",
+            "FetchTimeoutError",
+            "LocalStats",
+            "ProducerLostError",
+            "RaydirectError",
+            "TransferError",
+            "TransportUnavailableError",
+            "UnknownTransportError",
+            "get",
+            "local_stats",
+            "method",
+            "put",
+            "wait_tensor_freed",
         ]
     )
     for name in rd.__all__:

@@ -21,14 +21,24 @@ def test_status_lists_holders(ray_session):
     ray.wait([ref])
     pid = ray.get(p.pid.remote())
     address = ray.get_runtime_context().gcs_address
-    out = subprocess.run([*CLI, "status", "--address", address, "--json"], capture_output=True,
-                         text=True, timeout=120, check=True).stdout
+    out = subprocess.run(
+        [*CLI, "status", "--address", address, "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     rows = json.loads(out)
     mine = [r for r in rows if r["pid"] == pid]
     assert mine and mine[0]["reachable"]
     assert mine[0]["stats"]["num_objects"] == 1 and mine[0]["stats"]["num_bytes"] == 10000
-    table = subprocess.run([*CLI, "status", "--address", address], capture_output=True,
-                           text=True, timeout=120, check=True).stdout
+    table = subprocess.run(
+        [*CLI, "status", "--address", address],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout
     assert re.search(rf"Producer.*\s{pid}\s+1\s+9.8 KiB", table), table
     del ref
     ray.kill(p)
@@ -36,8 +46,9 @@ def test_status_lists_holders(ray_session):
 
 def test_demo_runs_and_prints_a_checked_table():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    done = subprocess.run([*CLI, "demo", "--quick"], capture_output=True, text=True,
-                          timeout=600, env=env)
+    done = subprocess.run(
+        [*CLI, "demo", "--quick"], capture_output=True, text=True, timeout=600, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = re.findall(r"^\s*(\d+) MiB\s+(.+?)\s+([\d.]+)\s+([\d.]+)x$", done.stdout, re.M)
     systems = {name.strip() for _, name, _, _ in rows}

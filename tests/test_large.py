@@ -6,6 +6,7 @@ import pytest
 import ray
 
 import raydirect as rd
+
 from actors import Consumer, Producer
 
 SIZE = 256 << 20

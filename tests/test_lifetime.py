@@ -10,6 +10,7 @@ import pytest
 import ray
 
 import raydirect as rd
+
 from actors import Consumer, Producer, check_value
 from conftest import shm_segments, wait_for
 

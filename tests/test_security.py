@@ -10,12 +10,16 @@ import ray
 import zmq
 
 import raydirect as rd
+
 from actors import Producer, check_value
 
 
 def agent_address(actor) -> str:
-    return ray.get(actor.__ray_call__.remote(lambda self: __import__(
-        "raydirect._agent", fromlist=["agent"]).agent().address))
+    return ray.get(
+        actor.__ray_call__.remote(
+            lambda self: __import__("raydirect._agent", fromlist=["agent"]).agent().address
+        )
+    )
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +51,26 @@ def test_requests_without_the_right_capability_are_refused(producer):
     address = agent_address(producer)
     ref = producer.keep.remote("sec")
     ray.wait([ref])
-    [obj_hex] = ray.get(producer.__ray_call__.remote(
-        lambda self: [k.hex() for k in __import__("raydirect._store", fromlist=["store"])
-                      .store._objects]))
+    [obj_hex] = ray.get(
+        producer.__ray_call__.remote(
+            lambda self: [
+                k.hex() for k in __import__("raydirect._store", fromlist=["store"]).store._objects
+            ]
+        )
+    )
     for cap in (secrets.token_hex(16), "", "00" * 16):
-        reply = ask(address, json.dumps({"op": "fetch", "obj": obj_hex, "cap": cap,
-                                         "transport": "tcp"}).encode())
+        reply = ask(
+            address,
+            json.dumps({"op": "fetch", "obj": obj_hex, "cap": cap, "transport": "tcp"}).encode(),
+        )
         assert reply["ok"] is False and reply["kind"] == "lost"
-    for garbage in (b"\xff\x00garbage", b"{}", b'{"op": "fetch"}', b"[1, 2]",
-                    json.dumps({"op": "fetch", "obj": "zz", "cap": "zz"}).encode()):
+    for garbage in (
+        b"\xff\x00garbage",
+        b"{}",
+        b'{"op": "fetch"}',
+        b"[1, 2]",
+        json.dumps({"op": "fetch", "obj": "zz", "cap": "zz"}).encode(),
+    ):
         reply = ask(address, garbage)
         assert reply["ok"] is False and reply["kind"] == "bad_request"
     # The agent survived all of it and still serves the real holder of the ref.

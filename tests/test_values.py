@@ -6,6 +6,7 @@ import pytest
 import ray
 
 import raydirect as rd
+
 from actors import Consumer, Producer, check_value
 
 CASES = ["dtypes", "views", "aliasing", "numpy", "no_tensors", "params"]
