@@ -195,6 +195,49 @@ class Producer:
     def two_above(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ones(5), torch.zeros(6)
 
+    @rd.method(tensor_transport="gloo")
+    def value_gloo(self, case: str) -> Any:
+        return make_value(case)
+
+    @rd.method(tensor_transport="gloo")
+    def big_gloo(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), 7, dtype=torch.uint8)
+
+    @rd.method(tensor_transport="gloo")
+    def meta_tensor(self) -> torch.Tensor:
+        return torch.empty(4, device="meta")
+
+    @rd.method(tensor_transport="gloo")
+    def fails(self) -> Any:
+        raise KeyError("application error")
+
+    def check(self, case: str, value: Any) -> str | None:
+        return check_value(case, value)
+
+    def check_nested(self, case: str, refs: list[ray.ObjectRef]) -> str | None:
+        return check_value(case, ray.get(refs[0]))
+
+    def check_many(self, case: str, *values: Any) -> list[str | None]:
+        return [check_value(case, v) for v in values]
+
+    def forward(self, member: Any, case: str, refs: list[ray.ObjectRef]) -> str | None:
+        """Pass a ref this actor only borrowed on to another actor."""
+        return ray.get(member.check_nested.remote(case, refs))
+
+    def get_with_rd(
+        self, refs: list[ray.ObjectRef], timeout: float | None = None, transport: str | None = None
+    ) -> list[Any]:
+        return rd.get(refs, timeout=timeout, tensor_transport=transport)
+
+    def try_get(
+        self, refs: list[ray.ObjectRef], timeout: float | None = None, transport: str | None = None
+    ) -> str:
+        try:
+            rd.get(refs, timeout=timeout, tensor_transport=transport)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
     @rd.method
     def gen(self, n: int):
         for i in range(n):

@@ -37,12 +37,15 @@ def test_public_names():
     assert sorted(rd.__all__) == sorted(
         [
             "FetchTimeoutError",
+            "GroupError",
             "LocalStats",
             "ProducerLostError",
             "RaydirectError",
             "TransferError",
             "TransportUnavailableError",
             "UnknownTransportError",
+            "create_collective_group",
+            "destroy_collective_group",
             "get",
             "local_stats",
             "method",
@@ -145,7 +148,9 @@ def test_rd_get_timeout(pair):
 
 def test_unknown_transport_names_the_known_ones(pair):
     p, _ = pair
-    with pytest.raises(rd.UnknownTransportError, match="known transports: auto, cma, shm, tcp"):
+    with pytest.raises(
+        rd.UnknownTransportError, match="known transports: auto, cma, gloo, nccl, shm, tcp"
+    ):
         rd.put(torch.ones(2), tensor_transport="carrier-pigeon")
     with pytest.raises(ValueError, match="carrier-pigeon"):
         rd.get(rd.put(torch.ones(2)), tensor_transport="carrier-pigeon")

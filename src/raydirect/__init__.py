@@ -6,9 +6,11 @@ receives the bytes straight from the producer.
 """
 
 from raydirect._api import get, local_stats, method, put, wait_tensor_freed
+from raydirect._groups import create_collective_group, destroy_collective_group
 from raydirect._store import LocalStats
 from raydirect.errors import (
     FetchTimeoutError,
+    GroupError,
     ProducerLostError,
     RaydirectError,
     TransferError,
@@ -20,12 +22,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FetchTimeoutError",
+    "GroupError",
     "LocalStats",
     "ProducerLostError",
     "RaydirectError",
     "TransferError",
     "TransportUnavailableError",
     "UnknownTransportError",
+    "create_collective_group",
+    "destroy_collective_group",
     "get",
     "local_stats",
     "method",

@@ -171,6 +171,13 @@ class Agent:
             if op == "stats":  # counts only, no tensor data: needs no capability
                 reply.send({"ok": True, "stats": dataclasses.asdict(store.stats())})
                 return
+            if op in ("group_broken", "group_leave"):  # authenticated by the group token
+                from raydirect._groups import handle_control
+
+                answer = handle_control(request)
+                if request.get("reply"):
+                    reply.send(answer)
+                return
             obj_id = bytes.fromhex(request["obj"])
             capability = bytes.fromhex(request["cap"])
         except (ValueError, KeyError, TypeError) as exc:
@@ -388,9 +395,14 @@ def notify(address: str, header: dict[str, Any]) -> None:
         ch.send(header)
 
 
+def request(address: str, header: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """Send ``header`` to an agent and return its one-message reply."""
+    with channel(address) as ch:
+        ch.send({**header, "reply": True})
+        answer, _ = ch.recv_reply(time.monotonic() + timeout, address)
+    return answer
+
+
 def query_stats(address: str, timeout: float = 2.0) -> dict[str, Any]:
     """The ``LocalStats`` of the process whose agent listens at ``address``, as a dict."""
-    with channel(address) as ch:
-        ch.send({"op": "stats"})
-        header, _ = ch.recv_reply(time.monotonic() + timeout, address)
-    return dict(header["stats"])
+    return dict(request(address, {"op": "stats"}, timeout)["stats"])

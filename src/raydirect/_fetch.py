@@ -9,8 +9,9 @@ below it only move bytes.
   same node (cpu)   -> ``cma`` (one copy straight from the producer's memory);
                        ``shm`` where the kernel refuses cross-memory reads
   other node        -> ``tcp``
-A declared same-node transport read from another node falls back to ``tcp``
-(logged once per pair of names).
+A declared same-node transport read from another node, and a two-sided
+transport read outside the producer's group (the driver, a non-member), fall
+back to ``tcp``, logged once per process.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from raydirect import _agent, _ray
 from raydirect._payload import Payload, join
 from raydirect._store import store
 from raydirect._tensors import allocate_bytes, arena_layout, tensors_from_arena
-from raydirect.errors import ProducerLostError, TransportUnavailableError
+from raydirect.errors import GroupError, ProducerLostError, TransportUnavailableError
 from raydirect.transports.base import CommunicatorMetadata, TensorTransportMetadata
 from raydirect.transports.registry import AUTO, check_name, transport_class, transport_instance
 from raydirect.transports.shm import sweep_dead_segments
@@ -35,7 +36,7 @@ _SAME_NODE_FALLBACK = "shm"
 _CROSS_NODE = "tcp"
 
 _refused_cma: set[tuple[str, int]] = set()  # (node id, pid) of producers cma cannot read
-_logged_fallbacks: set[tuple[str, str]] = set()
+_logged_fallbacks: set[str] = set()
 _lock = threading.Lock()
 
 
@@ -51,18 +52,39 @@ def choose_transport(payload: Payload, forced: str | None) -> str:
             return _SAME_NODE_FALLBACK
         return _SAME_NODE
     if transport_class(wanted).same_node_only and not same_node:
-        with _lock:
-            first = (wanted, _CROSS_NODE) not in _logged_fallbacks
-            _logged_fallbacks.add((wanted, _CROSS_NODE))
-        if first:
-            log.info(
-                "raydirect: %r reaches only the producer's node; objects from other "
-                "nodes travel over %r",
-                wanted,
-                _CROSS_NODE,
+        _log_fallback_once(wanted, "reaches only the producer's node; objects from other nodes")
+        return _CROSS_NODE
+    if not transport_instance(wanted).reachable(payload.transport_meta.get(wanted, {})):
+        if forced:
+            raise GroupError(
+                f"tensor_transport={forced!r} was forced, but this process shares no live "
+                f"{forced} group with the producer {producer.describe()}: add both to a group "
+                "with rd.create_collective_group, or do not force the transport"
             )
+        _log_fallback_once(wanted, "needs the producer's group; processes outside it")
         return _CROSS_NODE
     return wanted
+
+
+def _log_fallback_once(wanted: str, why: str) -> None:
+    with _lock:
+        first = wanted not in _logged_fallbacks
+        _logged_fallbacks.add(wanted)
+    if first:  # once per process, not per transfer
+        log.warning("raydirect: %r %s read over %r", wanted, why, _CROSS_NODE)
+
+
+def _arena_device(name: str, payload: Payload) -> str:
+    devices = {m.device for m in payload.metas}
+    if devices <= {"cpu"}:
+        return "cpu"
+    supported = transport_class(name).devices
+    if not devices <= set(supported):
+        raise TransportUnavailableError(
+            f"the object holds {'/'.join(sorted(devices))} tensors, which {name!r} cannot move; "
+            "read it from a member of the producer's nccl group"
+        )
+    return "cuda"
 
 
 def fetch_tensors(
@@ -80,7 +102,7 @@ def fetch_tensors(
     name = choose_transport(payload, forced)
     comm = CommunicatorMetadata(producer, payload.capability, deadline)
     offsets, total = arena_layout(payload.metas)
-    arena = allocate_bytes(total)
+    arena = allocate_bytes(total, _arena_device(name, payload))
     targets = [arena[off : off + m.nbytes] for off, m in zip(offsets, payload.metas, strict=True)]
     try:
         try:

@@ -102,3 +102,41 @@ def published_agents() -> dict[str, bytes]:
         if value is not None:
             out[key[len(_AGENT_KEY_PREFIX) :].decode()] = value
     return out
+
+
+# Collective groups are recorded cluster-wide so that any process can find and
+# destroy them by name.
+_GROUP_KEY_PREFIX = b"raydirect/group/"
+
+
+def put_group_record(name: str, record: bytes) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(_GROUP_KEY_PREFIX + name.encode(), record, overwrite=True)
+
+
+def group_record(name: str) -> bytes | None:
+    from ray.experimental import internal_kv
+
+    return internal_kv._internal_kv_get(_GROUP_KEY_PREFIX + name.encode())
+
+
+def group_records() -> dict[str, bytes]:
+    from ray.experimental import internal_kv
+
+    out = {}
+    for key in internal_kv._internal_kv_list(_GROUP_KEY_PREFIX) or []:
+        value = internal_kv._internal_kv_get(key)
+        if value is not None:
+            out[key[len(_GROUP_KEY_PREFIX) :].decode()] = value
+    return out
+
+
+def delete_group_record(name: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(_GROUP_KEY_PREFIX + name.encode())
+
+
+def actor_id_of(handle: ray.actor.ActorHandle) -> str:
+    return handle._actor_id.hex()

@@ -103,8 +103,11 @@ def arena_layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
     return offsets, pos
 
 
-def allocate_bytes(nbytes: int) -> torch.Tensor:
-    """A 1-d uint8 CPU tensor of ``nbytes``, backed by huge pages when large."""
+def allocate_bytes(nbytes: int, device: str = "cpu") -> torch.Tensor:
+    """A 1-d uint8 tensor of ``nbytes`` on ``device``; on the CPU backed by huge
+    pages when large."""
+    if device != "cpu":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
     if nbytes < _HUGEPAGE_MIN_BYTES:
         return torch.empty(nbytes, dtype=torch.uint8)
     size = (nbytes + _HUGEPAGE - 1) // _HUGEPAGE * _HUGEPAGE

@@ -12,6 +12,10 @@ Hierarchy::
     ├── ProducerLostError
     │       raised in a consumer when the process holding an object's tensors
     │       died, restarted, or no longer holds the object.
+    ├── GroupError
+    │       raised when a collective group is misused (an actor in no group for a
+    │       two-sided transport) or broken (a transfer failed inside it); the
+    │       message names the group and says how to recreate it.
     ├── TransferError
     │       raised in a consumer when bytes failed to move for another reason
     │       (a transport error, a corrupt or truncated reply).
@@ -31,6 +35,7 @@ import ray.exceptions
 
 __all__ = [
     "FetchTimeoutError",
+    "GroupError",
     "ProducerLostError",
     "RaydirectError",
     "TransferError",
@@ -78,6 +83,10 @@ class ProducerLostError(RaydirectError):
             f"the producer {who} {what_happened}; the object's tensors are lost. "
             "Re-run the producer to make them again."
         )
+
+
+class GroupError(RaydirectError):
+    """A collective group is missing, misused, or broken; the message names the fix."""
 
 
 class TransferError(RaydirectError):

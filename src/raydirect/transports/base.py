@@ -103,6 +103,13 @@ class TensorTransportManager(ABC):
         """Can ``actor`` use this transport? Called by the orchestration before use."""
         return True
 
+    def reachable(self, extra: dict[str, Any]) -> bool:
+        """Consumer side: can this process read, over this transport, an object
+        whose extracted metadata is ``extra``? (Two-sided transports: is this
+        process in one of the producer's groups.) When False the orchestration
+        falls back to another transport."""
+        return True
+
     # ---- producer side -------------------------------------------------
     def extract_tensor_transport_metadata(
         self, obj_id: bytes, tensors: list[torch.Tensor]

@@ -25,6 +25,8 @@ AUTO = "auto"
 
 _BUILTINS: dict[str, str] = {
     "cma": "raydirect.transports.cma:CmaTransport",
+    "gloo": "raydirect.transports.gloo:GlooTransport",
+    "nccl": "raydirect.transports.nccl:NcclTransport",
     "shm": "raydirect.transports.shm:ShmTransport",
     "tcp": "raydirect.transports.tcp:TcpTransport",
 }
