@@ -56,7 +56,8 @@ DTYPE = torch.int32
 ELEMENT_BYTES = 4
 SEED_START = 1
 SEED_STEP = 7919  # a new seed per transfer: a stale buffer fails the check
-SEED_LIMIT = 1 << 30  # seeds wrap below this, so i + seed stays inside int32
+SEED_LIMIT = 1 << 30  # seeds stay below this ...
+MAX_SIZE_BYTES = 2 * GIB  # ... and sizes below this, so i + seed fits in int32
 SAMPLE_COUNT = 64  # random elements compared one by one
 STRIDED_ELEMENTS = 4096  # elements in the strided slice whose sum is compared
 
@@ -459,9 +460,10 @@ def parse_size(text: str) -> int:
     if not match:
         raise argparse.ArgumentTypeError(f"bad size {text!r}: write e.g. 1MiB, 64MiB, 4096")
     nbytes = int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
-    if nbytes <= 0 or nbytes % ELEMENT_BYTES:
+    if nbytes <= 0 or nbytes % ELEMENT_BYTES or nbytes > MAX_SIZE_BYTES:
         raise argparse.ArgumentTypeError(
-            f"size {text!r} must be a positive multiple of {ELEMENT_BYTES} bytes"
+            f"size {text!r} must be a positive multiple of {ELEMENT_BYTES} bytes, "
+            f"at most {format_size(MAX_SIZE_BYTES)}"
         )
     return nbytes
 

@@ -179,7 +179,10 @@ def test_nccl_between_members(ray_session):
     gpu = Producer.options(num_gpus=0.5)
     a, b = gpu.remote(), gpu.remote()
     rd.create_collective_group([a, b], backend="nccl", name="nccl")
-    ref = a.__ray_call__.remote(lambda self: rd.put(torch.ones(1024, device="cuda"), "nccl"))
-    got = ray.get(b.__ray_call__.remote(lambda self, r: float(ray.get(r[0]).sum()), [ref]))
+    [ref] = ray.get(
+        a.__ray_call__.remote(lambda self: [rd.put(torch.ones(1024, device="cuda"), "nccl")])
+    )
+    got = ray.get(b.__ray_call__.remote(lambda self, refs: float(ray.get(refs[0]).sum()), [ref]))
     assert got == 1024.0
+    assert ray.get(b.stats.remote()).objects_received.get("nccl") == 1
     rd.destroy_collective_group("nccl")
