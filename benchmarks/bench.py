@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import platform
 import re
@@ -145,13 +146,17 @@ class PatternSource:
         fill_pattern(self.tensor, 0)  # touch every page now, not in a timed region
         return nbytes
 
+    def current(self) -> torch.Tensor:
+        assert self.tensor is not None, "allocate() first"
+        return self.tensor
+
     def wait_free(self) -> None:
         """Block until no earlier object still refers to ``self.tensor``."""
 
     def prepare(self, seed: int) -> int:
-        assert self.tensor is not None, "allocate() first"
+        tensor = self.current()
         self.wait_free()
-        fill_pattern(self.tensor, seed)
+        fill_pattern(tensor, seed)
         return seed
 
 
@@ -165,19 +170,19 @@ class RaydirectProducer(PatternSource):
 
     @rd.method(tensor_transport="auto")
     def make_auto(self) -> torch.Tensor:
-        return self.tensor
+        return self.current()
 
     @rd.method(tensor_transport="cma")
     def make_cma(self) -> torch.Tensor:
-        return self.tensor
+        return self.current()
 
     @rd.method(tensor_transport="shm")
     def make_shm(self) -> torch.Tensor:
-        return self.tensor
+        return self.current()
 
     @rd.method(tensor_transport="tcp")
     def make_tcp(self) -> torch.Tensor:
-        return self.tensor
+        return self.current()
 
     def stats(self) -> dict[str, Any]:
         return asdict(rd.local_stats())
@@ -188,7 +193,7 @@ class ObjectStoreProducer(PatternSource):
     """A plain Ray actor: the returned tensor is serialized into the object store."""
 
     def make(self) -> torch.Tensor:
-        return self.tensor
+        return self.current()
 
 
 @ray.remote(num_cpus=ACTOR_NUM_CPUS)
@@ -205,7 +210,7 @@ class RdtProducer(PatternSource):
 
     @ray.method(tensor_transport="gloo")
     def make(self) -> torch.Tensor:
-        return self.tensor
+        return self.current()
 
 
 class CheckingConsumer:
@@ -227,7 +232,7 @@ class Consumer(CheckingConsumer):
 # RDT receives on a system concurrency group that Ray adds only when the class
 # is declared with enable_tensor_transport=True: ``.options(...)`` on a plain
 # class does not add it, and the transfer then deadlocks behind ``consume``.
-@ray.remote(num_cpus=ACTOR_NUM_CPUS, enable_tensor_transport=True)
+@ray.remote(num_cpus=ACTOR_NUM_CPUS, enable_tensor_transport=True)  # type: ignore[call-overload]
 class RdtConsumer(CheckingConsumer):
     """The consumer of the RDT row."""
 
@@ -532,7 +537,7 @@ def render_table(rows: list[Row]) -> str:
                 ratio(row, baselines.get((RDT_GLOO, row.size_bytes))),
             ]
         )
-    # An n/a message spans the remaining columns: it does not set their width.
+    # An n/a message sets no column width: its row is left unaligned.
     widths = [
         max([len(h)] + [len(line[i]) for line in lines if not line[2].startswith("n/a")])
         for i, h in enumerate(headers)
@@ -540,14 +545,20 @@ def render_table(rows: list[Row]) -> str:
 
     def fmt(cells: list[str]) -> str:
         if cells[2].startswith("n/a"):
-            return f"| {cells[0]:<{widths[0]}} | {cells[1]:<{widths[1]}} | {cells[2]}"
-        aligned = [
-            c.ljust(w) if i < 2 else c.rjust(w)
-            for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-        ]
-        return "| " + " | ".join(aligned) + " |"
+            padded = [cells[0].ljust(widths[0]), cells[1].ljust(widths[1]), *cells[2:]]
+        else:
+            padded = [
+                c.ljust(w) if i < 2 else c.rjust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            ]
+        return "| " + " | ".join(padded) + " |"
 
-    rule = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
+    # Markdown: text columns left-aligned, numbers right-aligned.
+    rule = (
+        "|"
+        + "|".join("-" * (w + 2) if i < 2 else "-" * (w + 1) + ":" for i, w in enumerate(widths))
+        + "|"
+    )
     return "\n".join([fmt(headers), rule, *(fmt(line) for line in lines)])
 
 
@@ -622,7 +633,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         num_cpus=RAY_NUM_CPUS,
         include_dashboard=False,
         runtime_env={"env_vars": THP_ENV},
-        logging_level="WARNING",
+        logging_level=logging.WARNING,
     )
     rows: list[Row] = []
     seed_iter = seeds()

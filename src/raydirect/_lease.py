@@ -65,7 +65,9 @@ class LeasePool:
             try:
                 while len(self._ready) < _TARGET:
                     self._ready.append(ray.put(b""))
-            except Exception:  # Ray shutting down: the next take() makes its own
+            except Exception:  # Ray shut down: a later take() starts a new refiller
+                with self._lock:
+                    self._thread = None
                 return
 
 
