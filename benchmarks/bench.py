@@ -68,7 +68,8 @@ FREE_TIMEOUT_S = 60.0  # producer waits this long for its previous object to be 
 
 OBJECT_STORE = "ray object store"
 RDT_GLOO = "ray RDT gloo"
-RAYDIRECT_TRANSPORTS = ("auto", "cma", "shm", "tcp")
+RAYDIRECT_TRANSPORTS = ("auto", "cma", "shm", "tcp", "gloo")
+RAYDIRECT_GROUP = "bench-raydirect"
 FLOOR_FRESH = "floor: copy into fresh torch.empty"
 FLOOR_REUSED = "floor: copy into reused memory"
 GROUPS = ("raydirect", "object-store", "rdt", "floors")
@@ -182,6 +183,10 @@ class RaydirectProducer(PatternSource):
 
     @rd.method(tensor_transport="tcp")
     def make_tcp(self) -> torch.Tensor:
+        return self.current()
+
+    @rd.method(tensor_transport="gloo")
+    def make_gloo(self) -> torch.Tensor:
         return self.current()
 
     def stats(self) -> dict[str, Any]:
@@ -348,11 +353,14 @@ def bench_raydirect(
     sizes: Sequence[int], repeats: Callable[[int], int], seed_iter: Iterator[int]
 ) -> list[Row]:
     """How fast does raydirect move one tensor producer actor -> consumer actor,
-    per transport (auto, cma, shm, tcp), end to end as seen by the driver?"""
+    per transport (auto, cma, shm, tcp, gloo), end to end as seen by the driver?"""
     systems = [(raydirect_system(t), f"make_{t}") for t in RAYDIRECT_TRANSPORTS]
     log("raydirect: starting producer and consumer")
     with actor_pair(RaydirectProducer, Consumer) as (producer, consumer):
+        # gloo needs both in a collective group (the others ignore it).
+        rd.create_collective_group([producer, consumer], backend="gloo", name=RAYDIRECT_GROUP)
         rows = time_pair(producer, consumer, systems, sizes, repeats, seed_iter)
+        rd.destroy_collective_group(RAYDIRECT_GROUP)
         try:  # after the last object is freed, nothing should be held
             ray.get(producer.prepare.remote(SEED_START), timeout=SETUP_TIMEOUT_S)
             log(f"raydirect producer stats: {ray.get(producer.stats.remote())}")

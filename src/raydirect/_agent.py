@@ -50,6 +50,8 @@ _RECONNECT_IVL_MS = 100
 # A connection refused this many times in a row means nobody listens any more.
 _REFUSALS_BEFORE_LOST = 5
 _POLL_SLICE_MS = 200
+# Stream messages a consumer buffers ahead of its reader (16 MiB each for tcp).
+_READ_AHEAD_MESSAGES = 4
 
 
 def _process_start_time(pid: int) -> int:
@@ -266,7 +268,7 @@ class Channel:
         self.address = address
         self.socket: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
         for opt, value in (
-            (zmq.RCVHWM, 0),
+            (zmq.RCVHWM, _READ_AHEAD_MESSAGES),
             (zmq.SNDHWM, 0),
             (zmq.LINGER, 0),
             (zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS),

@@ -123,15 +123,18 @@ class Store:
             if obj is None:
                 return
             self._nbytes -= obj.nbytes
+        from raydirect.transports.registry import release_state
+
+        # Release transport state (a pooled segment) before waking waiters, so a
+        # producer that re-exports at once finds the segment back in its pool.
+        release_state(obj)
+        with self._lock:
             for original in obj.originals:
                 key = id(original)
                 self._holders[key] -= 1
                 if self._holders[key] <= 0:
                     del self._holders[key]
             self._lock.notify_all()
-        from raydirect.transports.registry import release_state
-
-        release_state(obj)
 
     def clear(self) -> None:
         """Drop every object (their leases belong to a Ray session that ended)."""

@@ -15,6 +15,9 @@ then owns the mapping (closing it under a live tensor would crash the next read)
 from __future__ import annotations
 
 import mmap
+import os
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -103,19 +106,83 @@ def arena_layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
     return offsets, pos
 
 
+class _ReceiveRegions:
+    """Huge-page receive regions, reused once no tensor views them any more.
+
+    On these machines a fresh page costs more than the copy (and the VM hands
+    freed memory back to the host, so even recycled pages fault again); a
+    region kept mapped and reused receives at memory speed. A region is free
+    again when its only references are this pool's: the tensors handed out
+    keep it alive through their storage.
+    """
+
+    def __init__(self, idle_cap_bytes: int) -> None:
+        self._regions: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+        self._idle_cap = idle_cap_bytes
+        self._free_refcount = self._refcount_when_unused()
+
+    def _refcount_when_unused(self) -> int:
+        # No other reference to the probe may exist while it is counted.
+        self._regions.append(mmap.mmap(-1, mmap.PAGESIZE))
+        try:
+            return self._refcounts()[0]
+        finally:
+            self._regions.clear()
+
+    def _refcounts(self) -> list[int]:
+        return [sys.getrefcount(region) for region in self._regions]
+
+    def take(self, size: int) -> torch.Tensor:
+        """A uint8 tensor over a region of at least ``size`` bytes (rounded to huge pages)."""
+        rounded = (size + _HUGEPAGE - 1) // _HUGEPAGE * _HUGEPAGE
+        with self._lock:
+            counts = self._refcounts()
+            free = [i for i, n in enumerate(counts) if n <= self._free_refcount]
+            fits = [i for i in free if rounded <= len(self._regions[i]) <= rounded + rounded // 8]
+            if fits:
+                region = self._regions[min(fits, key=lambda i: len(self._regions[i]))]
+            else:
+                region = mmap.mmap(-1, rounded, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+                if hasattr(mmap, "MADV_HUGEPAGE"):
+                    region.madvise(mmap.MADV_HUGEPAGE)
+                if self._idle_cap > 0:  # 0: no reuse, nothing kept
+                    self._regions.append(region)
+                self._trim(free)
+            # The tensor keeps ``region`` alive; it is reused (or unmapped) after the last view.
+            return torch.frombuffer(region, dtype=torch.uint8, count=size)
+
+    def _trim(self, free: list[int]) -> None:
+        idle = sum(len(self._regions[i]) for i in free)
+        drop = set()
+        for i in free:  # oldest first
+            if idle <= self._idle_cap:
+                break
+            idle -= len(self._regions[i])
+            drop.add(i)
+        self._regions = [r for i, r in enumerate(self._regions) if i not in drop]
+
+    def idle_bytes(self) -> int:
+        with self._lock:
+            counts = self._refcounts()
+            return sum(
+                len(r)
+                for r, n in zip(self._regions, counts, strict=True)
+                if n <= self._free_refcount
+            )
+
+
+_regions = _ReceiveRegions(int(os.environ.get("RAYDIRECT_RECV_POOL_BYTES", 1 << 30)))
+
+
 def allocate_bytes(nbytes: int, device: str = "cpu") -> torch.Tensor:
-    """A 1-d uint8 tensor of ``nbytes`` on ``device``; on the CPU backed by huge
-    pages when large."""
+    """A 1-d uint8 tensor of ``nbytes`` on ``device``; on the CPU, large ones come
+    from reusable huge-page regions."""
     if device != "cpu":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     if nbytes < _HUGEPAGE_MIN_BYTES:
         return torch.empty(nbytes, dtype=torch.uint8)
-    size = (nbytes + _HUGEPAGE - 1) // _HUGEPAGE * _HUGEPAGE
-    region = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        region.madvise(mmap.MADV_HUGEPAGE)
-    # The tensor keeps ``region`` alive; it is unmapped when the last view goes.
-    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes)
+    return _regions.take(nbytes)
 
 
 def tensors_from_arena(arena: torch.Tensor, metas: list[TensorMeta], offsets: list[int]) -> list:

@@ -1,7 +1,10 @@
 """``tcp``: the producer's agent streams tensor bytes over ZeroMQ; works across nodes.
 
-Bytes leave the producer's tensor memory zero-copy and land with ``recv_into``
-straight in the consumer's receive buffer: no intermediate copy on either side.
+Bytes leave the producer's tensor memory zero-copy (ZeroMQ holds references to
+the tensor until sent); on the consumer, libzmq reads each message into its own
+buffer and ``recv_into`` copies it into the receive buffer: one copy besides
+the kernel's. The consumer's socket buffers only a few messages ahead of the
+reader (``RCVHWM``), so TCP back-pressure, not memory, absorbs a slow reader.
 Measured here: one 512 MiB frame moves at ~1.2 GB/s however it is received,
 16 MiB frames received into slices of a preallocated buffer at ~3.2 GB/s, so
 streams are cut into 16 MiB messages. Small objects travel inline in the reply
