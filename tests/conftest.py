@@ -29,6 +29,15 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def pair(ray_session):
+    """A producer and a consumer actor, shared by the tests of one module."""
+    p, c = actors.Producer.remote(), actors.Consumer.remote()
+    yield p, c
+    ray.kill(p)
+    ray.kill(c)
+
+
 def wait_for(predicate: Callable[[], object], timeout: float = 30.0, what: str = "") -> object:
     """Poll ``predicate`` until it returns a truthy value; fail after ``timeout``."""
     deadline = time.monotonic() + timeout

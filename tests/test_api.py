@@ -15,7 +15,6 @@ from actors import (
     AsyncConsumer,
     AsyncProducer,
     Consumer,
-    Producer,
     ThreadedProducer,
     check_value,
     make_value,
@@ -23,14 +22,6 @@ from actors import (
     task_put,
 )
 from conftest import wait_for
-
-
-@pytest.fixture(scope="module")
-def pair(ray_session):
-    p, c = Producer.remote(), Consumer.remote()
-    yield p, c
-    ray.kill(p)
-    ray.kill(c)
 
 
 def test_public_names():

@@ -7,17 +7,7 @@ import ray
 
 import raydirect as rd
 
-from actors import Consumer, Producer
-
 SIZE = 256 << 20
-
-
-@pytest.fixture(scope="module")
-def pair(ray_session):
-    p, c = Producer.remote(), Consumer.remote()
-    yield p, c
-    ray.kill(p)
-    ray.kill(c)
 
 
 @pytest.mark.parametrize("transport", ["auto", "cma", "shm", "tcp"])

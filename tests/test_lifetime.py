@@ -15,14 +15,6 @@ from actors import Consumer, Producer, check_value
 from conftest import shm_segments, wait_for
 
 
-@pytest.fixture(scope="module")
-def pair(ray_session):
-    p, c = Producer.remote(), Consumer.remote()
-    yield p, c
-    ray.kill(p)
-    ray.kill(c)
-
-
 def held(p) -> int:
     return ray.get(p.stats.remote()).num_objects
 

@@ -7,18 +7,10 @@ import ray
 
 import raydirect as rd
 
-from actors import Consumer, Producer, check_value
+from actors import check_value
 
 CASES = ["dtypes", "views", "aliasing", "numpy", "no_tensors", "params"]
 TRANSPORTS = ["auto", "cma", "shm", "tcp"]
-
-
-@pytest.fixture(scope="module")
-def pair(ray_session):
-    p, c = Producer.remote(), Consumer.remote()
-    yield p, c
-    ray.kill(p)
-    ray.kill(c)
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 if TYPE_CHECKING:
     import torch
 
-    from raydirect._agent import Reply
+    from raydirect._agent import Channel, Reply
     from raydirect._payload import ProducerInfo
     from raydirect._store import StoredObject
     from raydirect._tensors import TensorMeta
@@ -133,6 +133,22 @@ class TensorTransportManager(ABC):
         thread). Releases what ``serve``/``extract`` set up; must not raise."""
 
     # ---- consumer side -------------------------------------------------
+    def ask_producer(
+        self, ch: Channel, obj_id: bytes, comm_meta: CommunicatorMetadata, **extra: Any
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """Ask the producer's agent to ``serve`` the object over this transport;
+        returns its first reply (header and any inline frames)."""
+        ch.send(
+            {
+                "op": "fetch",
+                "obj": obj_id.hex(),
+                "cap": comm_meta.capability.hex(),
+                "transport": self.name,
+                **extra,
+            }
+        )
+        return ch.recv_reply(comm_meta.deadline, comm_meta.producer.describe())
+
     @abstractmethod
     def recv_multiple_tensors(
         self,

@@ -113,19 +113,16 @@ class CollectiveTransport(TensorTransportManager):
         tag = group.next_tag()
         lock = group.pair_lock(src) if self.serialize_pairs else contextlib.nullcontext()
         with lock, channel(comm_meta.producer.agent_address) as ch:
-            ch.send(
-                {
-                    "op": "fetch",
-                    "obj": obj_id.hex(),
-                    "cap": comm_meta.capability.hex(),
-                    "transport": self.name,
-                    "group": group.name,
-                    "generation": group.generation,
-                    "dst": group.rank,
-                    "tag": tag,
-                }
+            # Refused: nothing is posted yet, so the group stays intact.
+            self.ask_producer(
+                ch,
+                obj_id,
+                comm_meta,
+                group=group.name,
+                generation=group.generation,
+                dst=group.rank,
+                tag=tag,
             )
-            ch.recv_reply(comm_meta.deadline, who)  # refused: nothing posted, group intact
             try:
                 works = [
                     group.process_group.recv([t], src, tag) for t in target_buffers if t.numel()

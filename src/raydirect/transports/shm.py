@@ -250,15 +250,7 @@ class ShmTransport(TensorTransportManager):
         assert target_buffers is not None
         who = comm_meta.producer.describe()
         with channel(comm_meta.producer.agent_address) as ch:
-            ch.send(
-                {
-                    "op": "fetch",
-                    "obj": obj_id.hex(),
-                    "cap": comm_meta.capability.hex(),
-                    "transport": self.name,
-                }
-            )
-            header, _ = ch.recv_reply(comm_meta.deadline, who)
+            header, _ = self.ask_producer(ch, obj_id, comm_meta)
         name, size, offsets = _checked_reply(header, target_buffers, who)
         seg = self._mapped.view(name, size)
         for target, off in zip(target_buffers, offsets, strict=True):

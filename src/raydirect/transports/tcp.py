@@ -68,15 +68,7 @@ class TcpTransport(TensorTransportManager):
         who = comm_meta.producer.describe()
         deadline = comm_meta.deadline
         with channel(comm_meta.producer.agent_address) as ch:
-            ch.send(
-                {
-                    "op": "fetch",
-                    "obj": obj_id.hex(),
-                    "cap": comm_meta.capability.hex(),
-                    "transport": self.name,
-                }
-            )
-            header, frames = ch.recv_reply(deadline, who)
+            header, frames = self.ask_producer(ch, obj_id, comm_meta)
             if header.get("inline"):
                 if len(frames) != len(target_buffers):
                     raise TransferError(
