@@ -186,3 +186,21 @@ def test_nccl_between_members(ray_session):
     assert got == 1024.0
     assert ray.get(b.stats.remote()).objects_received.get("nccl") == 1
     rd.destroy_collective_group("nccl")
+
+
+def test_member_killed_during_a_transfer(ray_session):
+    a, b = Producer.remote(), Producer.remote()
+    rd.create_collective_group([a, b], backend="gloo", name="midway")
+    big = a.big_gloo.remote(512 << 20)
+    ray.wait([big])
+    pid = ray.get(a.pid.remote())
+    start = time.monotonic()
+    pending = b.try_get.remote([big])
+    os.kill(pid, signal.SIGKILL)  # before or while the bytes move: both must end cleanly
+    message = ray.get(pending, timeout=120)
+    assert message.split(":")[0] in ("ProducerLostError", "GroupError"), message
+    assert time.monotonic() - start < 60
+    # The survivor stays usable for everything else.
+    assert ray.get(b.check.remote("dtypes", b.value.remote("dtypes"))) is None
+    rd.destroy_collective_group("midway")
+    ray.kill(b)

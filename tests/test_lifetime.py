@@ -122,3 +122,17 @@ def _pid_or_none(actor):
         return ray.get(actor.pid.remote(), timeout=5)
     except Exception:
         return None
+
+
+def test_producer_killed_during_a_tcp_stream(ray_session):
+    p, c = Producer.remote(), Producer.remote()
+    big = p.big.remote(512 << 20, 5)
+    ray.wait([big])
+    pid = ray.get(p.pid.remote())
+    start = time.monotonic()
+    pending = c.try_get.remote([big], None, "tcp")
+    os.kill(pid, signal.SIGKILL)  # before or during the stream: both must end cleanly
+    message = ray.get(pending, timeout=120)
+    assert message.startswith("ProducerLostError"), message
+    assert time.monotonic() - start < 60
+    ray.kill(c)
