@@ -53,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks against Ray's object store and RDT")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for benchmarks/bench.py")
     bench.set_defaults(func=_bench)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # every option, --help included, belongs to bench.py
+        return _bench(argparse.Namespace(rest=argv[1:]))
     args = parser.parse_args(argv)
     return int(args.func(args))
 
