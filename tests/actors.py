@@ -195,6 +195,14 @@ class Producer:
     def two_above(self) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.ones(5), torch.zeros(6)
 
+    @rd.method(tensor_transport="pickle_shm")
+    def value_plugin(self, case: str) -> Any:
+        return make_value(case)
+
+    @rd.method(tensor_transport="registered_late")
+    def value_late(self, case: str) -> Any:
+        return make_value(case)
+
     @rd.method(tensor_transport="gloo")
     def value_gloo(self, case: str) -> Any:
         return make_value(case)

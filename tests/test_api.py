@@ -27,11 +27,15 @@ from conftest import wait_for
 def test_public_names():
     assert sorted(rd.__all__) == sorted(
         [
+            "CommunicatorMetadata",
+            "FetchRequest",
             "FetchTimeoutError",
             "GroupError",
             "LocalStats",
             "ProducerLostError",
             "RaydirectError",
+            "TensorTransportManager",
+            "TensorTransportMetadata",
             "TransferError",
             "TransportUnavailableError",
             "UnknownTransportError",
@@ -41,6 +45,7 @@ def test_public_names():
             "local_stats",
             "method",
             "put",
+            "register_tensor_transport",
             "wait_tensor_freed",
         ]
     )

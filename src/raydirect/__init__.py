@@ -17,15 +17,26 @@ from raydirect.errors import (
     TransportUnavailableError,
     UnknownTransportError,
 )
+from raydirect.transports.base import (
+    CommunicatorMetadata,
+    FetchRequest,
+    TensorTransportManager,
+    TensorTransportMetadata,
+)
+from raydirect.transports.registry import register_tensor_transport
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CommunicatorMetadata",
+    "FetchRequest",
     "FetchTimeoutError",
     "GroupError",
     "LocalStats",
     "ProducerLostError",
     "RaydirectError",
+    "TensorTransportManager",
+    "TensorTransportMetadata",
     "TransferError",
     "TransportUnavailableError",
     "UnknownTransportError",
@@ -35,5 +46,6 @@ __all__ = [
     "local_stats",
     "method",
     "put",
+    "register_tensor_transport",
     "wait_tensor_freed",
 ]

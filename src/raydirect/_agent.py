@@ -193,7 +193,7 @@ class Agent:
                     "raydirect agent: request for %s with a wrong capability refused",
                     obj_id.hex()[:8],
                 )
-            if op != "sent":
+            if op not in ("sent", "abort"):
                 reply.send(
                     {
                         "ok": False,
@@ -202,6 +202,17 @@ class Agent:
                     }
                 )
             return
+        if op == "abort":  # a plug-in transfer failed in the consumer: let the producer side abort
+            from raydirect.transports.base import CommunicatorMetadata
+            from raydirect.transports.registry import transport_instance
+
+            try:
+                transport = transport_instance(str(request.get("transport", "")))
+                if transport.can_abort_transport():
+                    transport.abort_transport(obj_id.hex(), CommunicatorMetadata())
+            except Exception:
+                log.exception("raydirect agent: abort of %s failed", obj_id.hex()[:8])
+            return
         if op == "sent":  # a one-sided read finished: count it, check for in-place writes
             obj.check_unmodified()
             store.count_sent(request.get("transport", "?"), obj.nbytes)
@@ -209,11 +220,14 @@ class Agent:
         if op != "fetch":
             reply.send({"ok": False, "kind": "bad_request", "error": f"unknown op {op!r}"})
             return
+        from raydirect.transports.base import ByteTransport
         from raydirect.transports.registry import transport_instance
 
         name = request.get("transport", "")
         try:
             transport = transport_instance(name)
+            if not isinstance(transport, ByteTransport):
+                raise TransferError(f"transport {name!r} is not served by the agent")
             obj.check_unmodified()
             transport.serve(obj, request, reply)
             store.count_sent(name, obj.nbytes)

@@ -18,14 +18,23 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Any
+
+import numpy as np
+import torch
 
 from raydirect import _agent, _ray
 from raydirect._payload import Payload, join
 from raydirect._store import store
-from raydirect._tensors import allocate_bytes, arena_layout, tensors_from_arena
-from raydirect.errors import GroupError, ProducerLostError, TransportUnavailableError
-from raydirect.transports.base import CommunicatorMetadata, TensorTransportMetadata
+from raydirect._tensors import allocate_bytes, arena_layout, finish, tensors_from_arena
+from raydirect.errors import (
+    GroupError,
+    ProducerLostError,
+    TransferError,
+    TransportUnavailableError,
+)
+from raydirect.transports.base import PeerMetadata, TensorTransportMetadata
 from raydirect.transports.registry import AUTO, check_name, transport_class, transport_instance
 from raydirect.transports.shm import sweep_dead_segments
 
@@ -54,7 +63,23 @@ def choose_transport(payload: Payload, forced: str | None) -> str:
     if transport_class(wanted).same_node_only and not same_node:
         _log_fallback_once(wanted, "reaches only the producer's node; objects from other nodes")
         return _CROSS_NODE
-    if not transport_instance(wanted).reachable(payload.transport_meta.get(wanted, {})):
+    transport = transport_instance(wanted)
+    if not transport.byte_transport:
+        if wanted not in payload.transport_meta:
+            raise TransportUnavailableError(
+                f"the object of {producer.describe()} was made for {payload.transport!r}, so "
+                f"plug-in transport {wanted!r} cannot read it; do not force the transport"
+            )
+        if not transport.actor_has_tensor_transport(_ray.current_actor_handle()):
+            if forced:
+                raise TransportUnavailableError(
+                    f"tensor_transport={forced!r} was forced, but the transport says this "
+                    "process cannot use it (actor_has_tensor_transport returned False)"
+                )
+            _log_fallback_once(wanted, "is not available in this process; objects made for it")
+            return _CROSS_NODE
+        return wanted
+    if not transport.reachable(payload.transport_meta.get(wanted, {})):
         if forced:
             raise GroupError(
                 f"tensor_transport={forced!r} was forced, but this process shares no live "
@@ -100,7 +125,9 @@ def fetch_tensors(
         store.count_received("local", obj.nbytes)
         return list(obj.originals)
     name = choose_transport(payload, forced)
-    comm = CommunicatorMetadata(producer, payload.capability, deadline)
+    if not transport_class(name).byte_transport:
+        return _receive_plugin(name, payload, deadline)
+    comm = PeerMetadata(producer, payload.capability, deadline)
     offsets, total = arena_layout(payload.metas)
     arena = allocate_bytes(total, _arena_device(name, payload))
     targets = [arena[off : off + m.nbytes] for off, m in zip(offsets, payload.metas, strict=True)]
@@ -125,9 +152,65 @@ def fetch_tensors(
     return tensors_from_arena(arena, payload.metas, offsets)
 
 
-def _receive(name: str, payload: Payload, comm: CommunicatorMetadata, targets: list) -> None:
+def _receive(name: str, payload: Payload, comm: PeerMetadata, targets: list) -> None:
     meta = TensorTransportMetadata(payload.metas, "cpu", payload.transport_meta.get(name, {}))
     transport_instance(name).recv_multiple_tensors(payload.obj_id, meta, comm, targets)
+
+
+def _receive_plugin(name: str, payload: Payload, deadline: float | None) -> list[Any]:
+    """A plug-in transport receives on its own terms (Ray RDT's contract); the
+    orchestration bounds the wait, aborts on failure, and checks what arrived."""
+    transport = transport_instance(name)
+    who = payload.producer.describe()
+    obj_id = payload.obj_id.hex()
+    meta = payload.transport_meta[name]
+    comm = transport.get_communicator_metadata(None, _ray.current_actor_handle(), name)
+    try:
+        request = transport.fetch_multiple_tensors(obj_id, meta, comm, None)
+        remaining = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+        tensors = list(transport.wait_fetch_complete(request, remaining))
+    except (ProducerLostError, TimeoutError):
+        raise
+    except Exception as exc:
+        if transport.can_abort_transport():
+            _abort_both_sides(transport, name, payload, comm)
+        raise TransferError(
+            f"transport {name!r} failed to receive the object of {who}: {type(exc).__name__}: {exc}"
+        ) from exc
+    problem = _mismatch(tensors, payload.metas)
+    if problem:
+        raise TransferError(f"transport {name!r} returned {problem} for the object of {who}")
+    store.count_received(name, payload.nbytes)
+    return [
+        finish(t, m) if isinstance(t, torch.Tensor) else t
+        for t, m in zip(tensors, payload.metas, strict=True)
+    ]
+
+
+def _abort_both_sides(transport: Any, name: str, payload: Payload, comm: Any) -> None:
+    obj_id = payload.obj_id.hex()
+    try:
+        transport.abort_transport(obj_id, comm)
+        _agent.notify(
+            payload.producer.agent_address,
+            {"op": "abort", "obj": obj_id, "cap": payload.capability.hex(), "transport": name},
+        )
+    except Exception:  # aborting is best effort; the failure is reported either way
+        log.debug("raydirect: aborting %s failed", name, exc_info=True)
+
+
+def _mismatch(received: list[Any], metas: list[Any]) -> str | None:
+    if len(received) != len(metas):
+        return f"{len(received)} tensors where {len(metas)} were due"
+    for i, (got, meta) in enumerate(zip(received, metas, strict=True)):
+        shape = tuple(getattr(got, "shape", ()))
+        if isinstance(got, np.ndarray):
+            dtype_ok = meta.np_dtype is None or got.dtype.str == meta.np_dtype
+        else:
+            dtype_ok = str(getattr(got, "dtype", "")).removeprefix("torch.") == meta.dtype
+        if shape != tuple(meta.shape) or not dtype_ok:
+            return f"tensor {i} of shape {shape} and dtype {getattr(got, 'dtype', '?')}"
+    return None
 
 
 def fetch_value(payload: Payload, deadline: float | None = None, forced: str | None = None) -> Any:

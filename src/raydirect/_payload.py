@@ -109,8 +109,9 @@ _HANDLE = 1
 
 
 class _Splitter(cloudpickle.CloudPickler):
-    def __init__(self, file: io.BytesIO) -> None:
+    def __init__(self, file: io.BytesIO, only: type | None) -> None:
         super().__init__(file, protocol=5)
+        self._only = only
         self.originals: list[Any] = []
         self.tensors: list[Any] = []
         self.handles: list[Any] = []
@@ -124,6 +125,8 @@ class _Splitter(cloudpickle.CloudPickler):
             pid = (_HANDLE, len(self.handles))
             self.handles.append(obj)
         else:
+            if self._only is not None and not isinstance(obj, self._only):
+                return None
             tensor = as_tensor(obj)
             if tensor is None:
                 return None
@@ -143,9 +146,11 @@ class SplitValue:
     metas: list[TensorMeta]
 
 
-def split(value: Any) -> SplitValue:
+def split(value: Any, only: type | None = None) -> SplitValue:
+    """Pull the tensors out of ``value``: torch tensors and numpy arrays, or only
+    instances of ``only`` (a plug-in transport's ``data_type``)."""
     buf = io.BytesIO()
-    pickler = _Splitter(buf)
+    pickler = _Splitter(buf, only)
     pickler.dump(value)
     metas = [describe(o, t) for o, t in zip(pickler.originals, pickler.tensors, strict=True)]
     return SplitValue(buf.getvalue(), pickler.originals, pickler.tensors, pickler.handles, metas)

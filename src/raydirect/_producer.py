@@ -12,7 +12,7 @@ from raydirect._lease import leases
 from raydirect._payload import Payload, ProducerInfo, split
 from raydirect._store import StoredObject, store
 from raydirect._tensors import flat_bytes
-from raydirect.transports.registry import AUTO, check_name, transport_class, transport_instance
+from raydirect.transports.registry import AUTO, check_name, registration, transport_instance
 
 # ``auto`` picks per consumer among these; cma's metadata (addresses) is free to
 # extract, so every object carries it.
@@ -23,7 +23,7 @@ _session: tuple[int, str] | None = None
 
 
 def _check_devices(transport: str, tensors: list[torch.Tensor], label: str) -> None:
-    devices = _AUTO_DEVICES if transport == AUTO else transport_class(transport).devices
+    devices = _AUTO_DEVICES if transport == AUTO else registration(transport).devices
     for t in tensors:
         if t.device.type not in devices:
             raise ValueError(
@@ -37,9 +37,11 @@ def export(value: Any, transport: str, label: str | None = None) -> Any:
     """Keep ``value``'s tensors in this process and return the Payload standing
     for it; a value without tensors is returned unchanged."""
     global _session
-    check_name(transport)
+    plugin = None if check_name(transport) == AUTO else registration(transport)
+    if plugin is not None and plugin.cls.byte_transport:
+        plugin = None
     label = label or _ray.current_task_label()
-    parts = split(value)
+    parts = split(value, only=plugin.data_type if plugin is not None else None)
     if not parts.tensors:
         return value
     _check_devices(transport, parts.tensors, label)
@@ -64,10 +66,17 @@ def export(value: Any, transport: str, label: str | None = None) -> Any:
         nbytes=sum(m.nbytes for m in parts.metas),
     )
     transport_meta: dict[str, Any] = {}
-    for name in {_ALWAYS_EXTRACTED, transport} - {AUTO}:
+    for name in {_ALWAYS_EXTRACTED, transport} - {AUTO} - ({transport} if plugin else set()):
         extra = transport_instance(name).extract_tensor_transport_metadata(obj_id, buffers).extra
         if extra:
             transport_meta[name] = extra
+    if plugin is not None:
+        # Plug-ins see the value's own tensors and the object id as a string, as in Ray RDT.
+        meta = transport_instance(transport).extract_tensor_transport_metadata(
+            obj_id.hex(), parts.originals
+        )
+        transport_meta[transport] = meta
+        obj.transport_state[transport] = meta  # handed back to garbage_collect
     store.add(obj)
     try:
         lease = leases.take(lambda: store.free_later(obj_id))

@@ -140,3 +140,34 @@ def delete_group_record(name: str) -> None:
 
 def actor_id_of(handle: ray.actor.ActorHandle) -> str:
     return handle._actor_id.hex()
+
+
+# Transports registered at run time travel to every process through here.
+_TRANSPORT_KEY_PREFIX = b"raydirect/transport/"
+
+
+def put_transport_record(name: str, blob: bytes) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_put(_TRANSPORT_KEY_PREFIX + name.encode(), blob, overwrite=True)
+
+
+def transport_record(name: str) -> bytes | None:
+    from ray.experimental import internal_kv
+
+    return internal_kv._internal_kv_get(_TRANSPORT_KEY_PREFIX + name.encode())
+
+
+def transport_records() -> list[str]:
+    from ray.experimental import internal_kv
+
+    keys = internal_kv._internal_kv_list(_TRANSPORT_KEY_PREFIX) or []
+    return [k[len(_TRANSPORT_KEY_PREFIX) :].decode() for k in keys]
+
+
+def current_actor_handle() -> ray.actor.ActorHandle | None:
+    """This process's own actor handle; None in a driver or a task."""
+    try:
+        return ray.get_runtime_context().current_actor
+    except Exception:  # not an actor
+        return None

@@ -2,7 +2,20 @@
 
 Method names and argument order follow Ray RDT's ``TensorTransportManager``
 so a transport written for Ray ports by changing its imports. A transport
-declares its name, sidedness and devices once, as class attributes.
+declares its sidedness and devices once, as class attributes.
+
+Two kinds of transport share the interface:
+
+* **plug-in** transports (``TensorTransportManager``, Ray RDT's contract):
+  ``extract_tensor_transport_metadata`` receives the value's own tensors (or
+  numpy arrays, per the registered ``data_type``); ``recv_multiple_tensors``
+  returns the received tensors, allocating them unless ``target_buffers`` is
+  given; ``garbage_collect`` receives the value's tensors. Object ids are hex
+  strings. Registered with ``rd.register_tensor_transport``.
+* **byte** transports (``ByteTransport``, the built-ins): they move the flat
+  bytes of each tensor into receive buffers the orchestration allocated (one
+  buffer per object, reused across objects), and may be served by the
+  producer's agent (``serve``). Object ids are bytes.
 
 Orchestration (choosing a transport, deadlines, fallbacks, counting, error
 mapping) lives above, in ``raydirect._fetch``; transports never time out on
@@ -28,30 +41,44 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
-    import torch
-
     from raydirect._agent import Channel, Reply
     from raydirect._payload import ProducerInfo
     from raydirect._store import StoredObject
-    from raydirect._tensors import TensorMeta
 
 
 @dataclass
 class TensorTransportMetadata:
-    """What a transport extracted from an object in the producer; travels in the Payload."""
+    """What a transport extracted from an object in the producer; it travels to
+    the consumer inside the ref's value. Subclass it to carry transport-specific
+    fields (they must pickle).
 
-    tensor_meta: list[TensorMeta]
+    ``tensor_meta``: one ``(shape, dtype)`` per tensor; ``tensor_device``: the
+    device type of the tensors (all alike).
+    """
+
+    tensor_meta: list[Any]
     tensor_device: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class CommunicatorMetadata:
-    """Who talks to whom for one transfer, built by the orchestration in the consumer."""
+    """Who talks to whom for one transfer; subclass it to carry what your
+    transport needs (made by ``get_communicator_metadata`` in the consumer)."""
+
+
+@dataclass
+class PeerMetadata(CommunicatorMetadata):
+    """What byte transports get: the producer's address and the object's
+    capability, and the deadline the orchestration set for this transfer."""
 
     producer: ProducerInfo
     capability: bytes
     deadline: float | None = None  # time.monotonic() by which the transfer must finish
+
+    @property
+    def who(self) -> str:
+        return self.producer.describe()
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -62,61 +89,157 @@ class CommunicatorMetadata:
             raise TimeoutError("transfer deadline passed")
 
 
+def peer(comm_meta: CommunicatorMetadata) -> PeerMetadata:
+    """The ``PeerMetadata`` the orchestration passes to byte transports."""
+    if not isinstance(comm_meta, PeerMetadata):
+        raise TypeError("byte transports are called by raydirect's orchestration only")
+    return comm_meta
+
+
 @dataclass
 class FetchRequest:
-    """A one-sided fetch started by ``fetch_multiple_tensors``."""
+    """A fetch started by ``fetch_multiple_tensors``; the default (synchronous)
+    implementation stores the received tensors here. Transports with true async
+    fetches subclass it to carry their handles, and release resources in
+    ``__del__`` so that an abandoned request leaks nothing."""
 
-    obj_id: bytes
-    meta: TensorTransportMetadata
-    comm_meta: CommunicatorMetadata
-    target_buffers: list[torch.Tensor]
-    result: Any = None
+    obj_id: Any
+    tensors: list[Any]
 
 
 class TensorTransportManager(ABC):
-    """Base class of every transport.
+    """Interface of every transport (Ray RDT's method names and argument order).
 
-    Class attributes (declared once):
-      ``name``: the registered name; ``one_sided``: the consumer reads without
-      the producer's help (beyond its agent); ``devices``: device types whose
-      memory it moves; ``same_node_only``: reaches only processes of one node.
+    Class attributes, declared once: ``one_sided`` (the consumer reads without
+    the producer calling ``send_multiple_tensors``), ``devices`` (device types
+    whose memory it moves), ``same_node_only`` (reaches only processes of the
+    producer's node). The name is the one given at registration.
+
+    Lifecycle of one object, and where each method runs::
+
+        producer (method returns)   extract_tensor_transport_metadata(obj_id, tensors)
+        consumer (ref rebuilt)      actor_has_tensor_transport(actor)
+                                    get_communicator_metadata(src_actor, dst_actor, name)
+                                    fetch_multiple_tensors(...) / wait_fetch_complete(...)
+                                      (default: recv_multiple_tensors(...))
+        producer (two-sided only)   send_multiple_tensors(tensors, meta, comm_meta)
+        producer (last ref gone)    garbage_collect(obj_id, meta, tensors)
+        both (a transfer failed)    abort_transport(obj_id, comm_meta), if can_abort_transport()
+
+    Timeouts come from raydirect's orchestration, not from the transport: a
+    fetch that outlives ``rd.get``'s deadline is abandoned (its result dropped).
     """
 
-    name: ClassVar[str]
+    name: ClassVar[str] = ""
     one_sided: ClassVar[bool] = True
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
     same_node_only: ClassVar[bool] = False
+    byte_transport: ClassVar[bool] = False
 
     def tensor_transport_backend(self) -> str:
+        """The transport's name."""
         return self.name
 
     @classmethod
     def is_one_sided(cls) -> bool:
+        """True if only the consumer acts in a transfer (no ``send_multiple_tensors``)."""
         return cls.one_sided
 
     @classmethod
     def can_abort_transport(cls) -> bool:
-        """True if ``abort_transport`` can interrupt a transfer in flight."""
+        """True if ``abort_transport`` can interrupt a transfer in flight on both
+        sides without leaving either blocked. When False, a failed transfer is
+        reported and the consumer's partial result dropped."""
         return False
 
     def actor_has_tensor_transport(self, actor: Any) -> bool:
-        """Can ``actor`` use this transport? Called by the orchestration before use."""
+        """Can ``actor`` (this process's actor handle, None in a driver or task)
+        use this transport? Called in the consumer before each transfer; False
+        makes raydirect fall back to ``tcp``. Must not raise."""
         return True
 
     def reachable(self, extra: dict[str, Any]) -> bool:
-        """Consumer side: can this process read, over this transport, an object
-        whose extracted metadata is ``extra``? (Two-sided transports: is this
-        process in one of the producer's groups.) When False the orchestration
-        falls back to another transport."""
+        """Byte transports: can this process read an object whose extracted
+        ``extra`` metadata is this (two-sided: is it in one of the producer's
+        groups)? False makes the orchestration fall back to another transport."""
         return True
 
-    # ---- producer side -------------------------------------------------
     def extract_tensor_transport_metadata(
-        self, obj_id: bytes, tensors: list[torch.Tensor]
+        self, obj_id: Any, tensors: list[Any]
     ) -> TensorTransportMetadata:
-        """Called in the producer when an object is exported, on the thread that
-        ran the method. Must be cheap: it delays the method's return. ``tensors``
-        are flat uint8 CPU tensors that stay alive until ``garbage_collect``."""
+        """Called in the producer when an object is made, on the thread that ran
+        the method, before it returns: keep it cheap. ``tensors`` stay alive and
+        unchanged (unless the user writes them) until ``garbage_collect``. Raising
+        fails the producer's method call and leaves nothing stored."""
+        return TensorTransportMetadata(tensor_meta=[(tuple(t.shape), t.dtype) for t in tensors])
+
+    def get_communicator_metadata(
+        self, src_actor: Any, dst_actor: Any, backend: str | None = None
+    ) -> CommunicatorMetadata:
+        """Called in the consumer before a transfer. ``src_actor`` is None
+        (raydirect reaches producers through their agents, not their handles);
+        ``dst_actor`` is the consumer's own actor handle, None in a driver or task."""
+        return CommunicatorMetadata()
+
+    def send_multiple_tensors(
+        self, tensors: list[Any], meta: TensorTransportMetadata, comm_meta: CommunicatorMetadata
+    ) -> None:
+        """Two-sided transports: called in the producer while the consumer receives."""
+        raise NotImplementedError(f"{type(self).__name__} is one-sided: nothing to send")
+
+    @abstractmethod
+    def recv_multiple_tensors(
+        self,
+        obj_id: Any,
+        meta: TensorTransportMetadata,
+        comm_meta: CommunicatorMetadata,
+        target_buffers: list[Any] | None = None,
+    ) -> list[Any]:
+        """Called in the consumer, on a fetch thread. Returns the object's tensors
+        in order, equal in shape and dtype to what ``meta`` describes, written into
+        ``target_buffers`` when given. On failure raises; a partial result is
+        dropped. Raise ``ProducerLostError`` when the producer is gone."""
+
+    def fetch_multiple_tensors(
+        self,
+        obj_id: Any,
+        meta: TensorTransportMetadata,
+        comm_meta: CommunicatorMetadata,
+        target_buffers: list[Any] | None = None,
+    ) -> FetchRequest:
+        """Start a fetch; the default receives synchronously."""
+        return FetchRequest(
+            obj_id, self.recv_multiple_tensors(obj_id, meta, comm_meta, target_buffers)
+        )
+
+    def wait_fetch_complete(self, fetch_request: FetchRequest, timeout: float = -1) -> list[Any]:
+        """Wait for a fetch (``timeout`` seconds, -1 for ever; ``TimeoutError`` past it)."""
+        return fetch_request.tensors
+
+    def garbage_collect(self, obj_id: Any, meta: Any, tensors: list[Any]) -> None:
+        """Called in the producer once no ref to the object is left anywhere (on a
+        reaper thread). Release what ``extract``/``serve`` set up. Exceptions are
+        logged and ignored. Received copies are the consumer's, never collected here."""
+
+    def abort_transport(self, obj_id: Any, comm_meta: CommunicatorMetadata) -> None:
+        """Interrupt a transfer in flight; called on both sides after a failure
+        when ``can_abort_transport()``. Must not block."""
+
+
+class ByteTransport(TensorTransportManager):
+    """Base of the built-in transports: they move each tensor's flat bytes.
+
+    The orchestration hands ``extract``/``garbage_collect`` the flat uint8 view
+    of each tensor, and ``recv_multiple_tensors`` one preallocated flat uint8
+    buffer per tensor (views of one receive buffer per object) together with a
+    ``PeerMetadata``; it fills them and returns them.
+    """
+
+    byte_transport = True
+
+    def extract_tensor_transport_metadata(
+        self, obj_id: Any, tensors: list[Any]
+    ) -> TensorTransportMetadata:
         return TensorTransportMetadata(tensor_meta=[])
 
     def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
@@ -126,15 +249,8 @@ class TensorTransportManager(ABC):
         for different objects and for the same object."""
         raise NotImplementedError(f"transport {self.name!r} serves no agent requests")
 
-    def garbage_collect(
-        self, obj_id: bytes, meta: TensorTransportMetadata | None, tensors: list[torch.Tensor]
-    ) -> None:
-        """Called in the producer once no ref to the object is left anywhere (reaper
-        thread). Releases what ``serve``/``extract`` set up; must not raise."""
-
-    # ---- consumer side -------------------------------------------------
     def ask_producer(
-        self, ch: Channel, obj_id: bytes, comm_meta: CommunicatorMetadata, **extra: Any
+        self, ch: Channel, obj_id: bytes, comm_meta: PeerMetadata, **extra: Any
     ) -> tuple[dict[str, Any], list[Any]]:
         """Ask the producer's agent to ``serve`` the object over this transport;
         returns its first reply (header and any inline frames)."""
@@ -147,38 +263,4 @@ class TensorTransportManager(ABC):
                 **extra,
             }
         )
-        return ch.recv_reply(comm_meta.deadline, comm_meta.producer.describe())
-
-    @abstractmethod
-    def recv_multiple_tensors(
-        self,
-        obj_id: bytes,
-        meta: TensorTransportMetadata,
-        comm_meta: CommunicatorMetadata,
-        target_buffers: list[torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        """Called in the consumer on a fetch thread. Fills ``target_buffers`` (flat
-        uint8 tensors, one per tensor, each exactly the tensor's byte size) and
-        returns them. On failure raises; the buffers may then hold some, all or
-        none of the data and are discarded by the caller. Raise
-        ``ProducerLostError`` when the producer is gone, ``TimeoutError`` past
-        ``comm_meta.deadline``."""
-
-    def fetch_multiple_tensors(
-        self,
-        obj_id: bytes,
-        meta: TensorTransportMetadata,
-        comm_meta: CommunicatorMetadata,
-        target_buffers: list[torch.Tensor],
-    ) -> FetchRequest:
-        """Start a fetch without waiting (default: do it now, synchronously)."""
-        request = FetchRequest(obj_id, meta, comm_meta, target_buffers)
-        request.result = self.recv_multiple_tensors(obj_id, meta, comm_meta, target_buffers)
-        return request
-
-    def wait_fetch_complete(self, request: FetchRequest) -> list[torch.Tensor]:
-        """Wait for a fetch started by ``fetch_multiple_tensors``."""
-        return request.result
-
-    def abort_transport(self, obj_id: bytes, comm_meta: CommunicatorMetadata) -> None:
-        """Interrupt a transfer in flight (only if ``can_abort_transport``)."""
+        return ch.recv_reply(comm_meta.deadline, comm_meta.who)

@@ -21,9 +21,11 @@ import torch
 from raydirect import _agent
 from raydirect.errors import ProducerLostError, TransferError, TransportUnavailableError
 from raydirect.transports.base import (
+    ByteTransport,
     CommunicatorMetadata,
-    TensorTransportManager,
+    PeerMetadata,
     TensorTransportMetadata,
+    peer,
 )
 
 _IOV_MAX = 1024
@@ -67,7 +69,7 @@ def _pieces(spans: list[tuple[int, int, int]]):
 
 
 def read_remote(
-    pid: int, spans: list[tuple[int, int, int]], comm_meta: CommunicatorMetadata, who: str
+    pid: int, spans: list[tuple[int, int, int]], comm_meta: PeerMetadata, who: str
 ) -> None:
     """Copy each (local address, remote address, length) span from process ``pid``."""
     for batch in _pieces(spans):
@@ -101,7 +103,7 @@ def read_remote(
                     got = 0
 
 
-class CmaTransport(TensorTransportManager):
+class CmaTransport(ByteTransport):
     name = "cma"
     one_sided = True
     devices = ("cpu",)
@@ -121,8 +123,9 @@ class CmaTransport(TensorTransportManager):
         comm_meta: CommunicatorMetadata,
         target_buffers: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
+        link = peer(comm_meta)
         assert target_buffers is not None
-        producer = comm_meta.producer
+        producer = link.producer
         who = producer.describe()
         # A pid names the producer only while it runs: a reused pid is another process.
         if not _agent.process_alive(producer.pid, producer.start_time):
@@ -133,7 +136,7 @@ class CmaTransport(TensorTransportManager):
             for t, p in zip(target_buffers, ptrs, strict=True)
             if t.numel()
         ]
-        read_remote(producer.pid, spans, comm_meta, who)
+        read_remote(producer.pid, spans, link, who)
         # Tell the producer (no reply awaited): it counts the transfer and checks
         # that no tensor was written in place before this read.
         _agent.notify(
@@ -141,7 +144,7 @@ class CmaTransport(TensorTransportManager):
             {
                 "op": "sent",
                 "obj": obj_id.hex(),
-                "cap": comm_meta.capability.hex(),
+                "cap": link.capability.hex(),
                 "transport": self.name,
             },
         )

@@ -24,9 +24,10 @@ from raydirect import _groups
 from raydirect._agent import channel
 from raydirect.errors import GroupError, TransportUnavailableError
 from raydirect.transports.base import (
+    ByteTransport,
     CommunicatorMetadata,
-    TensorTransportManager,
     TensorTransportMetadata,
+    peer,
 )
 
 if TYPE_CHECKING:
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
     from raydirect._store import StoredObject
 
 
-class CollectiveTransport(TensorTransportManager):
+class CollectiveTransport(ByteTransport):
     one_sided = False
     # Backends that ignore tags need transfers between a pair kept in one order.
     serialize_pairs: ClassVar[bool] = False
@@ -101,6 +102,7 @@ class CollectiveTransport(TensorTransportManager):
         comm_meta: CommunicatorMetadata,
         target_buffers: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
+        link = peer(comm_meta)
         assert target_buffers is not None
         found = self.shared_group(meta.extra)
         if found is None:
@@ -109,15 +111,15 @@ class CollectiveTransport(TensorTransportManager):
             )
         group, src = found
         group.check_usable()
-        who = comm_meta.producer.describe()
+        who = link.producer.describe()
         tag = group.next_tag()
         lock = group.pair_lock(src) if self.serialize_pairs else contextlib.nullcontext()
-        with lock, channel(comm_meta.producer.agent_address) as ch:
+        with lock, channel(link.producer.agent_address) as ch:
             # Refused: nothing is posted yet, so the group stays intact.
             self.ask_producer(
                 ch,
                 obj_id,
-                comm_meta,
+                link,
                 group=group.name,
                 generation=group.generation,
                 dst=group.rank,
@@ -127,7 +129,7 @@ class CollectiveTransport(TensorTransportManager):
                 works = [
                     group.process_group.recv([t], src, tag) for t in target_buffers if t.numel()
                 ]
-                remaining = comm_meta.remaining()
+                remaining = link.remaining()
                 timeout = datetime.timedelta(
                     seconds=max(
                         0.001, remaining if remaining is not None else _groups.DEFAULT_TIMEOUT_S

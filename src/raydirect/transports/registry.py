@@ -1,18 +1,32 @@
 """Which transports exist, and one instance of each per process.
 
 Built-ins are listed by dotted path and imported on first use, so importing
-raydirect never imports a transport's heavy dependency.
+raydirect never imports a transport's heavy dependency. Transports registered
+with ``rd.register_tensor_transport`` are published in Ray's key-value store
+(the class pickled by value), so every process of the cluster finds them: actors
+created before the registration, actors restarted after it, and processes that
+only borrowed an actor handle. Installed packages add transports through the
+``raydirect.transports`` entry-point group (``name = "module:Class"``).
 """
 
 from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib.metadata import entry_points
 from types import MappingProxyType
 from typing import TYPE_CHECKING
 
+import numpy as np
+import ray
+import torch
+from ray import cloudpickle
+
+from raydirect import _ray
 from raydirect.errors import UnknownTransportError
 from raydirect.transports.base import TensorTransportManager
 
@@ -22,6 +36,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("raydirect")
 
 AUTO = "auto"
+ENTRY_POINT_GROUP = "raydirect.transports"
+DATA_TYPES = (torch.Tensor, np.ndarray)
 
 _BUILTINS: dict[str, str] = {
     "cma": "raydirect.transports.cma:CmaTransport",
@@ -31,38 +47,171 @@ _BUILTINS: dict[str, str] = {
     "tcp": "raydirect.transports.tcp:TcpTransport",
 }
 
-_classes: dict[str, type[TensorTransportManager]] = {}
+
+@dataclass(frozen=True)
+class Registration:
+    name: str
+    cls: type[TensorTransportManager]
+    devices: tuple[str, ...]
+    data_type: type
+
+
+_registrations: dict[str, Registration] = {}
+_unpublished: dict[str, bytes] = {}  # registered before Ray was connected
 _instances: dict[str, TensorTransportManager] = {}
-_lock = threading.Lock()
+_lock = threading.RLock()
+
+
+def _dumps_by_value(registration: Registration) -> bytes:
+    """Pickle the registration with its class *by value*: the consumer's process
+    need not be able to import the module that defined it."""
+    module = sys.modules.get(registration.cls.__module__)
+    by_value = (
+        module is not None
+        and module.__name__ != "__main__"  # pickled by value anyway
+        and not module.__name__.startswith("raydirect.")
+        and module.__name__ not in cloudpickle.list_registry_pickle_by_value()
+    )
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        return cloudpickle.dumps(registration)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def register_tensor_transport(
+    name: str,
+    devices: Sequence[str],
+    manager_cls: type[TensorTransportManager],
+    data_type: type = torch.Tensor,
+    *,
+    replace: bool = False,
+) -> None:
+    """Make a transport known to every process of the cluster, now and later.
+
+    ``manager_cls`` subclasses ``rd.TensorTransportManager`` (Ray RDT's method
+    names; a transport written for Ray ports by changing its imports).
+    ``devices`` are the device types whose memory it moves; ``data_type`` is what
+    it is handed: ``torch.Tensor`` or ``numpy.ndarray`` (the rest of the value
+    travels pickled). Call it at any time, from any process: methods may name a
+    transport that is registered only later (checked at call time). A taken
+    name raises ``ValueError`` unless ``replace=True``. Nothing is registered
+    when it raises.
+    """
+    if not isinstance(manager_cls, type) or not issubclass(manager_cls, TensorTransportManager):
+        raise TypeError(
+            f"manager_cls must be a subclass of rd.TensorTransportManager, got {manager_cls!r}"
+        )
+    if manager_cls.byte_transport:
+        raise TypeError(
+            "byte transports are built into raydirect; subclass "
+            "rd.TensorTransportManager for a plug-in"
+        )
+    if not isinstance(name, str) or not name or name == AUTO or name in _BUILTINS:
+        raise ValueError(
+            f"cannot register a transport named {name!r}: pick a name other than "
+            f"'auto' and the built-ins ({', '.join(sorted(_BUILTINS))})"
+        )
+    if isinstance(devices, str) or not devices or not all(isinstance(d, str) for d in devices):
+        raise ValueError(
+            f"devices must be a non-empty list of device types such as ['cpu'], got {devices!r}"
+        )
+    if data_type not in DATA_TYPES:
+        raise TypeError(f"data_type must be torch.Tensor or numpy.ndarray, got {data_type!r}")
+    if not manager_cls.is_one_sided():
+        raise ValueError(
+            f"{manager_cls.__name__} is two-sided; raydirect runs two-sided plug-ins only "
+            "through its own groups so far: use a one-sided transport, or 'gloo'/'nccl'"
+        )
+    registration = Registration(name, manager_cls, tuple(devices), data_type)
+    blob = _dumps_by_value(registration)
+    with _lock:
+        if not replace and _lookup(name) is not None:
+            raise ValueError(
+                f"a tensor transport named {name!r} is already registered; "
+                "pass replace=True to replace it"
+            )
+        _registrations[name] = registration
+        _instances.pop(name, None)
+        if ray.is_initialized():
+            _ray.put_transport_record(name, blob)
+        else:
+            _unpublished[name] = blob
+
+
+def _publish_unpublished() -> None:
+    if _unpublished and ray.is_initialized():
+        with _lock:
+            for name, blob in _unpublished.items():
+                _ray.put_transport_record(name, blob)
+            _unpublished.clear()
+
+
+def _builtin(name: str) -> Registration:
+    module, _, attr = _BUILTINS[name].partition(":")
+    cls = getattr(importlib.import_module(module), attr)
+    return Registration(name, cls, cls.devices, torch.Tensor)
+
+
+def _from_entry_point(name: str) -> Registration | None:
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == name:
+            cls = ep.load()
+            return Registration(name, cls, tuple(cls.devices), torch.Tensor)
+    return None
+
+
+def _lookup(name: str) -> Registration | None:
+    """The registration of ``name``: built-in, this process's, the cluster's, or
+    an installed package's; None if nobody registered it (yet)."""
+    reg = _registrations.get(name)
+    if reg is not None:
+        return reg
+    if name in _BUILTINS:
+        reg = _builtin(name)
+    else:
+        blob = _ray.transport_record(name) if ray.is_initialized() else None
+        reg = cloudpickle.loads(blob) if blob is not None else _from_entry_point(name)
+    if reg is not None:
+        _registrations[name] = reg
+    return reg
+
+
+def registration(name: str) -> Registration:
+    with _lock:
+        _publish_unpublished()
+        reg = _lookup(name) if isinstance(name, str) else None
+    if reg is None:
+        raise UnknownTransportError(name, known_names())
+    return reg
 
 
 def known_names() -> list[str]:
-    return sorted({AUTO, *_BUILTINS, *_classes})
+    names = {AUTO, *_BUILTINS, *_registrations}
+    if ray.is_initialized():
+        names |= set(_ray.transport_records())
+    names |= {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
+    return sorted(names)
 
 
 def registered() -> Mapping[str, str]:
-    """Read-only view: name -> where its class comes from."""
-    return MappingProxyType({**_BUILTINS, **{n: c.__qualname__ for n, c in _classes.items()}})
+    """Read-only view: name -> the class that implements it (built-ins by dotted path)."""
+    return MappingProxyType(
+        {**_BUILTINS, **{n: r.cls.__qualname__ for n, r in _registrations.items()}}
+    )
 
 
 def check_name(name: object) -> str:
     """``name`` if it names a transport (or ``auto``), else UnknownTransportError."""
-    if not isinstance(name, str) or name not in known_names():
-        raise UnknownTransportError(name, known_names())
-    return name
+    if name == AUTO:
+        return AUTO
+    return registration(name).name  # type: ignore[arg-type]
 
 
 def transport_class(name: str) -> type[TensorTransportManager]:
-    cls = _classes.get(name)
-    if cls is not None:
-        return cls
-    path = _BUILTINS.get(name)
-    if path is None:
-        raise UnknownTransportError(name, known_names())
-    module, _, attr = path.partition(":")
-    cls = getattr(importlib.import_module(module), attr)
-    _classes[name] = cls
-    return cls
+    return registration(name).cls
 
 
 def transport_instance(name: str) -> TensorTransportManager:
@@ -80,7 +229,11 @@ def release_state(obj: StoredObject) -> None:
     """Let every transport that set something up for ``obj`` release it."""
     for name, meta in list(obj.transport_state.items()):
         try:
-            transport_instance(name).garbage_collect(obj.obj_id, meta, obj.buffers)
+            transport = transport_instance(name)
+            if transport.byte_transport:
+                transport.garbage_collect(obj.obj_id, meta, obj.buffers)
+            else:
+                transport.garbage_collect(obj.obj_id.hex(), meta, obj.originals)
         except Exception:
             log.exception("raydirect: %s garbage_collect failed for %s", name, obj.obj_id.hex())
     obj.transport_state.clear()

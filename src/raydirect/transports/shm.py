@@ -31,9 +31,11 @@ from raydirect._agent import channel
 from raydirect._tensors import arena_layout
 from raydirect.errors import TransferError
 from raydirect.transports.base import (
+    ByteTransport,
     CommunicatorMetadata,
-    TensorTransportManager,
+    PeerMetadata,
     TensorTransportMetadata,
+    peer,
 )
 
 if TYPE_CHECKING:
@@ -68,9 +70,7 @@ def _map(path: str, size: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
-def copy_sliced(
-    dst: torch.Tensor, src: torch.Tensor, comm_meta: CommunicatorMetadata | None
-) -> None:
+def copy_sliced(dst: torch.Tensor, src: torch.Tensor, comm_meta: PeerMetadata | None) -> None:
     for start in range(0, src.numel(), _COPY_SLICE):
         if comm_meta is not None:
             comm_meta.check_deadline()
@@ -209,7 +209,7 @@ def _checked_reply(
     return name, size, offsets
 
 
-class ShmTransport(TensorTransportManager):
+class ShmTransport(ByteTransport):
     name = "shm"
     one_sided = True
     devices = ("cpu",)
@@ -247,12 +247,13 @@ class ShmTransport(TensorTransportManager):
         comm_meta: CommunicatorMetadata,
         target_buffers: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
+        link = peer(comm_meta)
         assert target_buffers is not None
-        who = comm_meta.producer.describe()
-        with channel(comm_meta.producer.agent_address) as ch:
-            header, _ = self.ask_producer(ch, obj_id, comm_meta)
+        who = link.producer.describe()
+        with channel(link.producer.agent_address) as ch:
+            header, _ = self.ask_producer(ch, obj_id, link)
         name, size, offsets = _checked_reply(header, target_buffers, who)
         seg = self._mapped.view(name, size)
         for target, off in zip(target_buffers, offsets, strict=True):
-            copy_sliced(target, seg[off : off + target.numel()], comm_meta)
+            copy_sliced(target, seg[off : off + target.numel()], link)
         return target_buffers

@@ -20,9 +20,10 @@ import torch
 from raydirect._agent import channel
 from raydirect.errors import TransferError
 from raydirect.transports.base import (
+    ByteTransport,
     CommunicatorMetadata,
-    TensorTransportManager,
     TensorTransportMetadata,
+    peer,
 )
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
 
-class TcpTransport(TensorTransportManager):
+class TcpTransport(ByteTransport):
     name = "tcp"
     one_sided = True
     devices = ("cpu",)
@@ -64,11 +65,12 @@ class TcpTransport(TensorTransportManager):
         comm_meta: CommunicatorMetadata,
         target_buffers: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
+        link = peer(comm_meta)
         assert target_buffers is not None
-        who = comm_meta.producer.describe()
-        deadline = comm_meta.deadline
-        with channel(comm_meta.producer.agent_address) as ch:
-            header, frames = self.ask_producer(ch, obj_id, comm_meta)
+        who = link.producer.describe()
+        deadline = link.deadline
+        with channel(link.producer.agent_address) as ch:
+            header, frames = self.ask_producer(ch, obj_id, link)
             if header.get("inline"):
                 if len(frames) != len(target_buffers):
                     raise TransferError(

@@ -1,0 +1,89 @@
+"""Plug-in transports written the way Ray RDT's guide writes them (tests only)."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from dataclasses import dataclass
+
+import numpy as np
+
+import raydirect as rd
+
+SHM_DIR = "/dev/shm"
+
+
+def plugin_files() -> set[str]:
+    return {n for n in os.listdir(SHM_DIR) if n.startswith("rdplug-")}
+
+
+@dataclass
+class PickleShmMetadata(rd.TensorTransportMetadata):
+    path: str = ""
+
+
+class PickleShmTransport(rd.TensorTransportManager):
+    """One-sided: the producer pickles the tensors into a file in /dev/shm at
+    extraction; the consumer unpickles them; garbage collection removes the file."""
+
+    def tensor_transport_backend(self) -> str:
+        return "pickle_shm"
+
+    @staticmethod
+    def is_one_sided() -> bool:
+        return True
+
+    @staticmethod
+    def can_abort_transport() -> bool:
+        return False
+
+    def actor_has_tensor_transport(self, actor) -> bool:
+        return True
+
+    def extract_tensor_transport_metadata(self, obj_id, tensors):
+        path = os.path.join(SHM_DIR, f"rdplug-{obj_id}")
+        with open(path, "wb") as f:
+            pickle.dump(list(tensors), f)
+        return PickleShmMetadata(
+            tensor_meta=[(t.shape, t.dtype) for t in tensors], tensor_device="cpu", path=path
+        )
+
+    def get_communicator_metadata(self, src_actor, dst_actor, backend=None):
+        return rd.CommunicatorMetadata()
+
+    def recv_multiple_tensors(
+        self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None
+    ):
+        with open(tensor_transport_metadata.path, "rb") as f:
+            return pickle.load(f)
+
+    def send_multiple_tensors(self, tensors, tensor_transport_metadata, communicator_metadata):
+        raise NotImplementedError("one-sided")
+
+    def garbage_collect(self, obj_id, tensor_transport_meta, tensors):
+        os.unlink(tensor_transport_meta.path)
+
+    def abort_transport(self, obj_id, communicator_metadata):
+        pass
+
+
+class NumpyShmTransport(PickleShmTransport):
+    """The same, registered with data_type=numpy.ndarray: it must see only arrays."""
+
+    def extract_tensor_transport_metadata(self, obj_id, tensors):
+        if not all(isinstance(t, np.ndarray) for t in tensors):
+            raise TypeError(f"expected numpy arrays, got {[type(t) for t in tensors]}")
+        return super().extract_tensor_transport_metadata(obj_id, tensors)
+
+
+class BrokenRecvTransport(PickleShmTransport):
+    """Receiving always fails."""
+
+    def recv_multiple_tensors(
+        self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None
+    ):
+        raise RuntimeError("the disk is on fire")
+
+
+class NotATransport:
+    pass

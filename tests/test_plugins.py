@@ -1,0 +1,140 @@
+"""Plug-in transports: registered at any time, from any process, surviving restarts."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import numpy as np
+import plugin_transports
+import pytest
+import ray
+import torch
+from plugin_transports import (
+    BrokenRecvTransport,
+    NotATransport,
+    NumpyShmTransport,
+    PickleShmTransport,
+    plugin_files,
+)
+from ray import cloudpickle
+
+import raydirect as rd
+
+from actors import Producer, check_value
+from conftest import wait_for
+
+# The task below refers to these classes: ship them to workers by value.
+cloudpickle.register_pickle_by_value(plugin_transports)
+
+
+def received(actor, transport: str) -> int:
+    return ray.get(actor.stats.remote()).objects_received.get(transport, 0)
+
+
+@pytest.fixture(scope="module")
+def actors_first(ray_session):
+    """Actors created before any plug-in is registered."""
+    p, c = Producer.remote(), Producer.remote()
+    ray.get([p.pid.remote(), c.pid.remote()])
+    rd.register_tensor_transport("pickle_shm", ["cpu"], PickleShmTransport, replace=True)
+    yield p, c
+    ray.kill(p)
+    ray.kill(c)
+
+
+def test_registered_after_the_actors_exist(actors_first):
+    p, c = actors_first
+    before = plugin_files()
+    ref = p.value_plugin.remote("dtypes")
+    assert ray.get(c.check.remote("dtypes", ref)) is None
+    assert received(c, "pickle_shm") == 1
+    assert check_value("dtypes", ray.get(ref)) is None  # the driver uses it too
+    [put_ref] = ray.get(p.put.remote("views", "pickle_shm"))
+    assert ray.get(c.check.remote("views", put_ref)) is None
+    assert len(plugin_files() - before) == 2
+    del ref, put_ref  # garbage_collect runs in the producer and removes the files
+    wait_for(lambda: not (plugin_files() - before), what="plug-in files removed")
+
+
+def test_a_borrowed_handle_can_use_it(actors_first):
+    p, c = actors_first
+
+    @ray.remote(num_cpus=0)
+    def submit(producer, consumer):
+        return ray.get(consumer.check.remote("aliasing", producer.value_plugin.remote("aliasing")))
+
+    assert ray.get(submit.remote(p, c)) is None
+
+
+def test_named_before_it_is_registered(actors_first):
+    p, c = actors_first
+    with pytest.raises(
+        ray.exceptions.RayTaskError, match="unknown tensor transport 'registered_late'"
+    ):
+        ray.get(p.value_late.remote("dtypes"))
+
+    @ray.remote(num_cpus=0)
+    def register_elsewhere():  # not the driver, not the actors' creator
+        rd.register_tensor_transport("registered_late", ["cpu"], PickleShmTransport, replace=True)
+
+    ray.get(register_elsewhere.remote())
+    assert ray.get(c.check.remote("dtypes", p.value_late.remote("dtypes"))) is None
+    assert received(c, "registered_late") == 1
+
+
+def test_survives_a_producer_restart(ray_session):
+    rd.register_tensor_transport("pickle_shm", ["cpu"], PickleShmTransport, replace=True)
+    p = Producer.options(max_restarts=1).remote()
+    c = Producer.remote()
+    assert ray.get(c.check.remote("dtypes", p.value_plugin.remote("dtypes"))) is None
+    old = ray.get(p.pid.remote())
+    os.kill(old, signal.SIGKILL)
+    wait_for(lambda: _pid(p) not in (None, old), timeout=60, what="restart")
+    assert ray.get(c.check.remote("views", p.value_plugin.remote("views"))) is None
+    ray.kill(p)
+    ray.kill(c)
+
+
+def _pid(actor):
+    try:
+        return ray.get(actor.pid.remote(), timeout=5)
+    except Exception:
+        return None
+
+
+def test_numpy_typed_transport(actors_first):
+    p, c = actors_first
+    rd.register_tensor_transport("numpy_shm", ["cpu"], NumpyShmTransport, np.ndarray, replace=True)
+    [ref] = ray.get(p.put.remote("numpy", "numpy_shm"))
+    assert ray.get(c.check.remote("numpy", ref)) is None  # arrays and the torch tensor
+    assert received(c, "numpy_shm") == 1
+    got = ray.get(ref)
+    assert isinstance(got["arr"], np.ndarray) and isinstance(got["tensor"], torch.Tensor)
+
+
+def test_bad_registrations_are_refused_and_leave_nothing(ray_session):
+    with pytest.raises(TypeError, match="subclass of rd.TensorTransportManager"):
+        rd.register_tensor_transport("bad", ["cpu"], NotATransport)
+    with pytest.raises(ValueError, match="built-ins"):
+        rd.register_tensor_transport("tcp", ["cpu"], PickleShmTransport)
+    with pytest.raises(ValueError, match="devices"):
+        rd.register_tensor_transport("bad", "cpu", PickleShmTransport)
+    with pytest.raises(TypeError, match="data_type"):
+        rd.register_tensor_transport("bad", ["cpu"], PickleShmTransport, list)
+    assert "bad" not in rd.put.__globals__["check_name"].__globals__["known_names"]()
+    rd.register_tensor_transport("taken", ["cpu"], PickleShmTransport, replace=True)
+    with pytest.raises(ValueError, match="already registered; pass replace=True"):
+        rd.register_tensor_transport("taken", ["cpu"], PickleShmTransport)
+    rd.register_tensor_transport("taken", ["cpu"], NumpyShmTransport, replace=True)
+
+
+def test_a_failing_receive_is_reported_and_both_actors_stay_usable(actors_first):
+    p, c = actors_first
+    rd.register_tensor_transport("broken", ["cpu"], BrokenRecvTransport, replace=True)
+    [ref] = ray.get(p.put.remote("dtypes", "broken"))
+    message = ray.get(c.try_get.remote([ref]))
+    assert message.startswith("TransferError") and "'broken'" in message
+    assert "the disk is on fire" in message
+    assert ray.get(c.check.remote("dtypes", p.value_plugin.remote("dtypes"))) is None
+    assert ray.get(c.check.remote("views", p.value.remote("views"))) is None
