@@ -4,11 +4,13 @@ This is the one place that orchestrates transfers: transport choice and
 fallback, deadlines, counters, clean-up after a producer's loss. Transports
 below it only move bytes.
 
-``auto``, per pair of processes:
+``auto``, per pair of processes (by Ray node id; the choice is logged at debug level):
   same process      -> the stored tensors themselves, no copy
-  same node (cpu)   -> ``cma`` (one copy straight from the producer's memory);
+  same node, cpu    -> ``cma`` (one copy straight from the producer's memory);
                        ``shm`` where the kernel refuses cross-memory reads
-  other node        -> ``tcp``
+  same node, cuda   -> ``cuda_ipc``
+  other node        -> a collective group both processes are in (``gloo`` for
+                       cpu, ``nccl`` for cuda), else ``tcp``
 A declared same-node transport read from another node, and a two-sided
 transport read outside the producer's group (the driver, a non-member), fall
 back to ``tcp``, logged once per process.
@@ -42,6 +44,7 @@ log = logging.getLogger("raydirect")
 
 _SAME_NODE = "cma"
 _SAME_NODE_FALLBACK = "shm"
+_SAME_NODE_CUDA = "cuda_ipc"
 _CROSS_NODE = "tcp"
 
 _refused_cma: set[tuple[str, int]] = set()  # (node id, pid) of producers cma cannot read
@@ -55,11 +58,9 @@ def choose_transport(payload: Payload, forced: str | None) -> str:
     producer = payload.producer
     same_node = producer.node_id == _ray.node_id()
     if wanted == AUTO:
-        if not same_node:
-            return _CROSS_NODE
-        if (producer.node_id, producer.pid) in _refused_cma:
-            return _SAME_NODE_FALLBACK
-        return _SAME_NODE
+        choice = _choose_auto(payload, same_node)
+        log.debug("raydirect: auto chose %r for an object of %s", choice, producer.describe())
+        return choice
     if transport_class(wanted).same_node_only and not same_node:
         _log_fallback_once(wanted, "reaches only the producer's node; objects from other nodes")
         return _CROSS_NODE
@@ -89,6 +90,22 @@ def choose_transport(payload: Payload, forced: str | None) -> str:
         _log_fallback_once(wanted, "needs the producer's group; processes outside it")
         return _CROSS_NODE
     return wanted
+
+
+def _choose_auto(payload: Payload, same_node: bool) -> str:
+    producer = payload.producer
+    cuda = any(m.device == "cuda" for m in payload.metas)
+    if same_node:
+        if cuda:
+            return _SAME_NODE_CUDA
+        if (producer.node_id, producer.pid) in _refused_cma:
+            return _SAME_NODE_FALLBACK
+        return _SAME_NODE
+    backend = "nccl" if cuda else "gloo"  # a group both are in, if any
+    groups = payload.transport_meta.get(backend)
+    if groups is not None and transport_instance(backend).reachable(groups):
+        return backend
+    return _CROSS_NODE
 
 
 def _log_fallback_once(wanted: str, why: str) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from raydirect import _agent, _ray
+from raydirect import _agent, _groups, _ray
 from raydirect._lease import leases
 from raydirect._payload import Payload, ProducerInfo, split
 from raydirect._store import StoredObject, store
@@ -16,8 +16,10 @@ from raydirect.transports.registry import AUTO, check_name, registration, transp
 
 # ``auto`` picks per consumer among these; cma's metadata (addresses) is free to
 # extract, so every object carries it.
-_AUTO_DEVICES = ("cpu",)
-_ALWAYS_EXTRACTED = "cma"
+_AUTO_DEVICES = ("cpu", "cuda")
+# Free to extract, so every object carries them: what ``auto`` may pick in the
+# consumer without asking the producer (same-node reads, shared groups).
+_AUTO_EXTRACTED = {"cpu": ("cma", "gloo"), "cuda": ("cuda_ipc", "nccl")}
 
 _session: tuple[int, str] | None = None
 
@@ -33,6 +35,22 @@ def _check_devices(transport: str, tensors: list[torch.Tensor], label: str) -> N
             )
 
 
+def _extracted(transport: str, tensors: list[torch.Tensor], plugin: bool) -> set[str]:
+    """The byte transports whose metadata this object carries."""
+    device = tensors[0].device.type
+    names = {n for n in _AUTO_EXTRACTED.get(device, ()) if _extracts_cheaply(n)}
+    if transport != AUTO and not plugin:
+        names.add(transport)
+    return names
+
+
+def _extracts_cheaply(name: str) -> bool:
+    # Group transports describe the groups this process is in: only when it is in one.
+    if name not in _groups.BACKENDS:
+        return True
+    return any(not g.broken for g in _groups.local_groups(name).values())
+
+
 def export(value: Any, transport: str, label: str | None = None) -> Any:
     """Keep ``value``'s tensors in this process and return the Payload standing
     for it; a value without tensors is returned unchanged."""
@@ -45,6 +63,11 @@ def export(value: Any, transport: str, label: str | None = None) -> Any:
     if not parts.tensors:
         return value
     _check_devices(transport, parts.tensors, label)
+    if len({t.device.type for t in parts.tensors}) > 1:
+        raise ValueError(
+            f"{label} returned tensors on several device types; one object's "
+            "tensors must share one (return them as separate objects)"
+        )
     session = _ray.session_key()
     if session != _session:
         # Objects of an earlier Ray session can never be released by their leases.
@@ -66,7 +89,7 @@ def export(value: Any, transport: str, label: str | None = None) -> Any:
         nbytes=sum(m.nbytes for m in parts.metas),
     )
     transport_meta: dict[str, Any] = {}
-    for name in {_ALWAYS_EXTRACTED, transport} - {AUTO} - ({transport} if plugin else set()):
+    for name in _extracted(transport, parts.tensors, plugin is not None):
         extra = transport_instance(name).extract_tensor_transport_metadata(obj_id, buffers).extra
         if extra:
             transport_meta[name] = extra

@@ -41,6 +41,7 @@ DATA_TYPES = (torch.Tensor, np.ndarray)
 
 _BUILTINS: dict[str, str] = {
     "cma": "raydirect.transports.cma:CmaTransport",
+    "cuda_ipc": "raydirect.transports.cuda_ipc:CudaIpcTransport",
     "gloo": "raydirect.transports.gloo:GlooTransport",
     "nccl": "raydirect.transports.nccl:NcclTransport",
     "shm": "raydirect.transports.shm:ShmTransport",

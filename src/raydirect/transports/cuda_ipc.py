@@ -1,0 +1,91 @@
+"""``cuda_ipc``: same node, CUDA memory, through CUDA IPC handles.
+
+The producer exports an IPC handle for each tensor's storage (PyTorch's
+``_share_cuda_``, cached per storage); the consumer opens the handle and
+copies device-to-device into its own receive buffer, so the producer can free
+its tensor as soon as the object is gone. One copy, no host round trip.
+Written with the same contract as the CPU byte transports; tested where a GPU
+is present (the tests skip with a reason elsewhere).
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any
+
+import torch
+
+from raydirect._agent import notify
+from raydirect.transports.base import (
+    ByteTransport,
+    CommunicatorMetadata,
+    TensorTransportMetadata,
+    peer,
+)
+
+
+def _encode(value: Any) -> Any:
+    return {"b64": base64.b64encode(value).decode()} if isinstance(value, bytes) else value
+
+
+def _decode(value: Any) -> Any:
+    return base64.b64decode(value["b64"]) if isinstance(value, dict) else value
+
+
+class CudaIpcTransport(ByteTransport):
+    name = "cuda_ipc"
+    one_sided = True
+    devices = ("cuda",)
+    same_node_only = True
+
+    def extract_tensor_transport_metadata(
+        self, obj_id: Any, tensors: list[Any]
+    ) -> TensorTransportMetadata:
+        handles = []
+        for t in tensors:
+            storage = t.untyped_storage()
+            # (device, handle, size, offset, ref counter handle, ...): all picklable.
+            shared = storage._share_cuda_()
+            handles.append(
+                {
+                    "share": [_encode(v) for v in shared],
+                    "offset": t.storage_offset() * t.element_size(),
+                    "nbytes": t.numel() * t.element_size(),
+                }
+            )
+        return TensorTransportMetadata(
+            tensor_meta=[], tensor_device="cuda", extra={"handles": handles}
+        )
+
+    def recv_multiple_tensors(
+        self,
+        obj_id: Any,
+        meta: TensorTransportMetadata,
+        comm_meta: CommunicatorMetadata,
+        target_buffers: list[Any] | None = None,
+    ) -> list[Any]:
+        assert target_buffers is not None
+        link = peer(comm_meta)
+        for target, handle in zip(target_buffers, meta.extra["handles"], strict=True):
+            link.check_deadline()
+            if not handle["nbytes"]:
+                continue
+            # Opened per transfer and dropped after the copy: a cached handle would
+            # keep the producer's memory mapped after it freed the tensor.
+            share = [_decode(v) for v in handle["share"]]
+            storage = torch.UntypedStorage._new_shared_cuda(*share)
+            source = torch.empty(0, dtype=torch.uint8, device=target.device).set_(
+                storage, int(handle["offset"]), (int(handle["nbytes"]),), (1,)
+            )
+            target.copy_(source, non_blocking=True)
+        torch.cuda.current_stream().synchronize()
+        notify(
+            link.producer.agent_address,
+            {
+                "op": "sent",
+                "obj": obj_id.hex(),
+                "cap": link.capability.hex(),
+                "transport": self.name,
+            },
+        )
+        return target_buffers
