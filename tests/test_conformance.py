@@ -1,0 +1,62 @@
+"""The conformance suite of raydirect.testing, run over every transport we ship
+that works here, and over a plug-in written the Ray RDT way."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from plugin_transports import NumpyShmTransport, PickleShmTransport
+
+import raydirect as rd
+import raydirect.testing
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ray(ray_session):
+    yield
+
+
+class TestAuto(raydirect.testing.TransportConformance):
+    transport = "cma"  # what auto picks between two actors of one node
+
+    def _put(self, case):  # objects declared "auto", counted as the transport auto chose
+        import ray
+
+        [ref] = ray.get(self.producer.put.remote(case, "auto", self.data_type))
+        return ref
+
+
+class TestCma(raydirect.testing.TransportConformance):
+    transport = "cma"
+
+
+class TestShm(raydirect.testing.TransportConformance):
+    transport = "shm"
+
+
+class TestTcp(raydirect.testing.TransportConformance):
+    transport = "tcp"
+
+
+class TestGloo(raydirect.testing.TransportConformance):
+    transport = "gloo"
+    group_backend = "gloo"
+
+
+class TestPicklePlugin(raydirect.testing.TransportConformance):
+    transport = "conformance_pickle"
+
+    @classmethod
+    def register(cls):
+        rd.register_tensor_transport(cls.transport, ["cpu"], PickleShmTransport, replace=True)
+
+
+class TestNumpyPlugin(raydirect.testing.TransportConformance):
+    transport = "conformance_numpy"
+    data_type = np.ndarray
+
+    @classmethod
+    def register(cls):
+        rd.register_tensor_transport(
+            cls.transport, ["cpu"], NumpyShmTransport, np.ndarray, replace=True
+        )
