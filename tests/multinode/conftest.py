@@ -1,0 +1,33 @@
+"""One two-node Ray cluster (two network namespaces) for the whole multi-node session.
+
+Nothing here touches the single-node tests' Ray: the pytest process never calls
+``ray.init``; drivers run as subprocesses inside the head's namespace (see
+mn_harness). The suite skips where network namespaces are refused.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import mn_harness
+import pytest
+
+DRIVER = Path(__file__).with_name("mn_driver.py")
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Iterator[mn_harness.Cluster]:
+    reason = mn_harness.unavailable_reason()
+    if reason:
+        pytest.skip(f"multi-node tests skipped: {reason}")
+    nodes = mn_harness.Cluster().start()  # tears itself down if starting fails
+    try:
+        yield nodes
+    finally:
+        nodes.teardown()
+
+
+@pytest.fixture(scope="session")
+def driver_script() -> Path:
+    return DRIVER

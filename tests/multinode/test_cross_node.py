@@ -1,0 +1,92 @@
+"""Transfers between two Ray nodes with distinct addresses (node B -> node A).
+
+One driver run (mn_driver.py ``transfers``) makes every transfer and records
+what each reader received and through which transport; the tests below assert
+on its report. Contents are compared element by element in the reader.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mn_harness
+import pytest
+
+KINDS = ("pattern", "dtypes")  # a 64 MiB int32 pattern; a dict of many dtypes and a view
+
+
+@pytest.fixture(scope="module")
+def report(cluster: mn_harness.Cluster, driver_script) -> dict[str, Any]:
+    cluster.ensure_worker()  # after a node-loss test
+    return cluster.run_driver(driver_script, "transfers", timeout=280)
+
+
+def entry(report: dict[str, Any], key: str) -> Any:
+    value = report[key]
+    if isinstance(value, dict) and "error" in value:
+        pytest.fail(f"{key} failed: {value['error']}\n{value.get('traceback', '')}")
+    return value
+
+
+def test_actors_run_on_distinct_nodes(report):
+    producer, consumer = report["producer"], report["consumer"]
+    assert producer["ip"] == mn_harness.ADDR_WORKER
+    assert consumer["ip"] == mn_harness.ADDR_HEAD == report["driver"]["ip"]
+    assert producer["node_id"] != consumer["node_id"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("reader", ["actor", "task", "driver"])
+def test_auto_across_nodes_uses_tcp(report, reader, kind):
+    assert entry(report, f"auto/{kind}/{reader}") == {
+        "mismatch": None,
+        "received": {"tcp": 1},
+        **({"ip": mn_harness.ADDR_HEAD} if reader == "task" else {}),
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_auto_across_nodes_as_task_argument(report, kind):
+    assert entry(report, f"auto/{kind}/task_arg") is None  # no mismatch
+
+
+def test_auto_within_a_node_uses_cma(report):
+    assert entry(report, "auto/same_node_B/task") == {
+        "mismatch": None,
+        "received": {"cma": 1},
+        "ip": mn_harness.ADDR_WORKER,
+    }
+    assert entry(report, "auto/same_node_A/actor") == {"mismatch": None, "received": {"cma": 1}}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("reader", ["actor", "driver"])
+def test_declared_tcp_across_nodes(report, reader, kind):
+    assert entry(report, f"tcp/{kind}/{reader}") == {"mismatch": None, "received": {"tcp": 1}}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gloo_across_nodes_without_socket_ifname(report, kind):
+    assert report["producer"]["gloo_socket_ifname"] is None
+    assert report["consumer"]["gloo_socket_ifname"] is None
+    assert entry(report, "gloo/group") == "ab"
+    assert entry(report, f"gloo/{kind}/actor") == {"mismatch": None, "received": {"gloo": 1}}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_driver_outside_the_group_reads_gloo_object_over_tcp(report, kind):
+    assert entry(report, f"gloo/{kind}/driver") == {"mismatch": None, "received": {"tcp": 1}}
+
+
+def test_status_shows_agents_bound_to_node_addresses(report):
+    rows = entry(report, "status")
+    ip_of = {report["producer"]["node_id"]: mn_harness.ADDR_WORKER}
+    ip_of[report["consumer"]["node_id"]] = mn_harness.ADDR_HEAD
+    by_pid = {row["pid"]: row for row in rows}
+    assert report["producer"]["pid"] in by_pid, rows
+    assert report["consumer"]["pid"] in by_pid, rows
+    for row in rows:
+        host = row["address"].removeprefix("tcp://").rsplit(":", 1)[0]
+        assert host == ip_of[row["node_id"]], row
+        assert row["reachable"], row
+    assert by_pid[report["producer"]["pid"]]["stats"]["objects_sent"].get("gloo") == 2
