@@ -87,3 +87,14 @@ class BrokenRecvTransport(PickleShmTransport):
 
 class NotATransport:
     pass
+
+
+class AbortableBrokenTransport(BrokenRecvTransport):
+    """Receiving fails; it can abort, and records each abort in a file per process."""
+
+    @staticmethod
+    def can_abort_transport() -> bool:
+        return True
+
+    def abort_transport(self, obj_id, communicator_metadata):
+        open(os.path.join(SHM_DIR, f"rdplug-abort-{obj_id}-{os.getpid()}"), "w").close()

@@ -11,6 +11,7 @@ import pytest
 import ray
 import torch
 from plugin_transports import (
+    AbortableBrokenTransport,
     BrokenRecvTransport,
     NotATransport,
     NumpyShmTransport,
@@ -138,3 +139,37 @@ def test_a_failing_receive_is_reported_and_both_actors_stay_usable(actors_first)
     assert "the disk is on fire" in message
     assert ray.get(c.check.remote("dtypes", p.value_plugin.remote("dtypes"))) is None
     assert ray.get(c.check.remote("views", p.value.remote("views"))) is None
+
+
+def test_abort_runs_on_both_sides(actors_first):
+    p, c = actors_first
+    rd.register_tensor_transport("abortable", ["cpu"], AbortableBrokenTransport, replace=True)
+    [ref] = ray.get(p.put.remote("dtypes", "abortable"))
+    assert ray.get(c.try_get.remote([ref])).startswith("TransferError")
+    pids = {ray.get(p.pid.remote()), ray.get(c.pid.remote())}
+
+    def aborted_in() -> set[int]:
+        return {int(n.rsplit("-", 1)[1]) for n in plugin_files() if n.startswith("rdplug-abort-")}
+
+    wait_for(lambda: pids <= aborted_in(), what="abort_transport in producer and consumer")
+    for name in [n for n in plugin_files() if n.startswith("rdplug-abort-")]:
+        os.unlink(f"/dev/shm/{name}")
+
+
+def test_entry_point_transports_are_found(tmp_path, monkeypatch):
+    from raydirect.transports import registry
+
+    (tmp_path / "rdfake_transport.py").write_text(
+        "from plugin_transports import PickleShmTransport\n"
+        "class FakeTransport(PickleShmTransport):\n"
+        "    devices = ('cpu',)\n"
+    )
+    dist = tmp_path / "rdfake-0.1.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: rdfake\nVersion: 0.1\n")
+    (dist / "entry_points.txt").write_text(
+        "[raydirect.transports]\nrdfake = rdfake_transport:FakeTransport\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "rdfake" in registry.known_names()
+    assert registry.transport_class("rdfake").__name__ == "FakeTransport"

@@ -1,0 +1,28 @@
+"""The examples run as written, each on its own embedded Ray."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.mark.parametrize(
+    ("script", "expected"),
+    [
+        ("quickstart.py", "driver sees {'weight': (1024, 1024), 'bias': (1024,)}"),
+        ("custom_transport.py", "files after the ref is gone: 0"),
+    ],
+)
+def test_example_runs(script, expected):
+    done = subprocess.run(
+        [sys.executable, str(EXAMPLES / script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert expected in done.stdout
+    if script == "custom_transport.py":
+        assert "{'file': 1}" in done.stdout
