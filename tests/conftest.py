@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable
-
 import pytest
 import ray
 from ray import cloudpickle
@@ -36,19 +32,3 @@ def pair(ray_session):
     yield p, c
     ray.kill(p)
     ray.kill(c)
-
-
-def wait_for(predicate: Callable[[], object], timeout: float = 30.0, what: str = "") -> object:
-    """Poll ``predicate`` until it returns a truthy value; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
-        time.sleep(0.05)
-
-
-def shm_segments() -> set[str]:
-    return {n for n in os.listdir("/dev/shm") if n.startswith("rd-")}

@@ -21,7 +21,7 @@ from actors import (
     task_check,
     task_put,
 )
-from conftest import wait_for
+from helpers import wait_for
 
 
 def test_public_names():

@@ -12,7 +12,7 @@ import ray
 import raydirect as rd
 
 from actors import Consumer, Producer, check_value
-from conftest import shm_segments, wait_for
+from helpers import shm_segments, wait_for
 
 
 def held(p) -> int:

@@ -6,10 +6,16 @@ import os
 import signal
 
 import numpy as np
-import plugin_transports
 import pytest
 import ray
 import torch
+from ray import cloudpickle
+
+import raydirect as rd
+
+import plugin_transports
+from actors import Producer, check_value
+from helpers import wait_for
 from plugin_transports import (
     AbortableBrokenTransport,
     BrokenRecvTransport,
@@ -18,12 +24,6 @@ from plugin_transports import (
     PickleShmTransport,
     plugin_files,
 )
-from ray import cloudpickle
-
-import raydirect as rd
-
-from actors import Producer, check_value
-from conftest import wait_for
 
 # The task below refers to these classes: ship them to workers by value.
 cloudpickle.register_pickle_by_value(plugin_transports)
