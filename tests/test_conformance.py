@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from plugin_transports import NumpyShmTransport, PickleShmTransport
 
 import raydirect as rd
 import raydirect.testing
+
+from plugin_transports import NumpyShmTransport, PickleShmTransport
 
 
 @pytest.fixture(scope="module", autouse=True)

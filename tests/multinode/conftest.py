@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Iterator
 from pathlib import Path
 
-import mn_harness
 import pytest
+
+import mn_harness
 
 DRIVER = Path(__file__).with_name("mn_driver.py")
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import mn_harness
 import pytest
+
+import mn_harness
 
 KINDS = ("pattern", "dtypes")  # a 64 MiB int32 pattern; a dict of many dtypes and a view
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import time
 
-import mn_harness
 import pytest
+
+import mn_harness
 
 LOSS_BOUND_S = 60.0
 
