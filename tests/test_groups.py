@@ -14,6 +14,7 @@ import torch
 import raydirect as rd
 
 from actors import Producer, check_value
+from helpers import wait_for
 
 
 def received(actor, transport: str) -> int:
@@ -150,14 +151,22 @@ def test_failed_transfer_marks_the_group_broken_everywhere(ray_session):
     # Both members now refuse, naming the group and the fix.
     later = ray.get(b.try_get.remote([small], 30))
     assert "'fragile' is broken" in later and "create it again" in later
-    with pytest.raises(ray.exceptions.RayTaskError, match="'fragile' is broken"):
-        ray.get(a.value_gloo.remote("dtypes"))
+    # The producer learns it from the consumer's message to its agent.
+    wait_for(lambda: "'fragile' is broken" in _export_error(a), what="producer told")
     rd.destroy_collective_group("fragile")
     rd.create_collective_group([a, b], backend="gloo", name="fragile")
     assert ray.get(b.check.remote("dtypes", a.value_gloo.remote("dtypes"))) is None
     rd.destroy_collective_group("fragile")
     ray.kill(a)
     ray.kill(b)
+
+
+def _export_error(actor) -> str:
+    try:
+        ray.get(actor.value_gloo.remote("dtypes"))
+    except ray.exceptions.RayTaskError as exc:
+        return str(exc)
+    return ""
 
 
 def test_killed_member_fails_in_bounded_time(ray_session):

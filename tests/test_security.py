@@ -29,13 +29,17 @@ def producer(ray_session):
     ray.kill(p)
 
 
+# A context of the test's own: what is checked is the agent, not this process's channels.
+_CONTEXT = zmq.Context()
+
+
 def ask(address: str, *frames: bytes) -> dict:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = _CONTEXT.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
     try:
         sock.send_multipart(list(frames))
-        assert sock.poll(10_000), "the agent did not answer"
+        assert sock.poll(60_000), "the agent did not answer"
         return json.loads(sock.recv_multipart()[0])
     finally:
         sock.close()

@@ -29,7 +29,8 @@ import os
 import secrets
 import threading
 import time
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any
@@ -43,11 +44,17 @@ from raydirect.errors import ProducerLostError, TransferError
 
 log = logging.getLogger("raydirect")
 
-_HEARTBEAT_IVL_MS = 1000
-_HEARTBEAT_TIMEOUT_MS = 5000
+_HEARTBEAT_IVL_MS = 2000
+# Generous: a loaded 2-core machine can starve an I/O thread for seconds, and a
+# dead process on this node is noticed at once anyway (refused connection, pid).
+_HEARTBEAT_TIMEOUT_MS = 15000
 _CONNECT_TIMEOUT_MS = 5000
+_HANDSHAKE_IVL_MS = 5000
 _RECONNECT_IVL_MS = 100
-# A connection refused this many times in a row means nobody listens any more.
+_RECONNECT_IVL_MAX_MS = 5000  # back off from an address nobody serves any more
+_CACHED_CHANNELS = 16  # per thread
+# Connections refused (or answered by something that is not an agent) this many
+# times in a row mean nobody serves that address any more.
 _REFUSALS_BEFORE_LOST = 5
 _POLL_SLICE_MS = 200
 # Stream messages a consumer buffers ahead of its reader (16 MiB each for tcp).
@@ -55,15 +62,18 @@ _READ_AHEAD_MESSAGES = 4
 
 
 def _process_start_time(pid: int) -> int:
-    """Start time of ``pid`` in clock ticks since boot (0 if unknown): with the pid
-    it names one process even after the pid is reused."""
+    """Start time of ``pid`` in clock ticks since boot (0 if unknown or dead): with
+    the pid it names one process even after the pid is reused."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             stat = f.read()
     except OSError:
         return 0
-    # Field 22; the command name (field 2) may contain spaces, so count after ')'.
-    return int(stat.rsplit(b")", 1)[1].split()[19])
+    # The command name (field 2) may contain spaces, so count after ')'.
+    fields = stat.rsplit(b")", 1)[1].split()
+    if fields[0] in (b"Z", b"X"):  # killed but not yet reaped: its memory is gone
+        return 0
+    return int(fields[19])  # field 22
 
 
 def process_alive(pid: int, start_time: int) -> bool:
@@ -125,6 +135,8 @@ class Agent:
         self._router.setsockopt(zmq.SNDHWM, 0)
         self._router.setsockopt(zmq.RCVHWM, 0)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        # A consumer that reconnects keeps its routing id: replies follow it.
+        self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._router.setsockopt(zmq.LINGER, 0)
         ip = _ray.node_ip()
         port = self._router.bind_to_random_port(f"tcp://{ip}")
@@ -275,12 +287,28 @@ def _announce(server: Agent) -> None:
 # ------------------------------------------------------------------ client
 
 
+_HANDSHAKE_FAILED = (
+    zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+)
+
+
 class Channel:
-    """One consumer's conversation with one producer's agent."""
+    """One consumer's conversation with one producer's agent.
+
+    "Connected" means the ZeroMQ handshake succeeded: a TCP connection alone
+    can reach whatever reuses a dead agent's port (a Gloo listener, say).
+    """
+
+    # Set by the caller when the producer is on this node: checked while waiting.
+    producer_alive: Callable[[], bool] | None = None
 
     def __init__(self, address: str) -> None:
         self.address = address
         self.socket: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
+        # A fixed routing id: after a reconnect the agent's replies still reach us.
+        self.socket.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(16))
         for opt, value in (
             (zmq.RCVHWM, _READ_AHEAD_MESSAGES),
             (zmq.SNDHWM, 0),
@@ -288,11 +316,16 @@ class Channel:
             (zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS),
             (zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS),
             (zmq.CONNECT_TIMEOUT, _CONNECT_TIMEOUT_MS),
+            (zmq.HANDSHAKE_IVL, _HANDSHAKE_IVL_MS),
             (zmq.RECONNECT_IVL, _RECONNECT_IVL_MS),
+            (zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS),
         ):
             self.socket.setsockopt(opt, value)
         self.monitor: zmq.Socket = self.socket.get_monitor_socket(
-            zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED
+            | zmq.EVENT_DISCONNECTED
+            | zmq.EVENT_CONNECT_RETRIED
+            | _HANDSHAKE_FAILED
         )
         self.socket.connect(address)
         self.connected = False
@@ -313,11 +346,13 @@ class Channel:
                 event = recv_monitor_message(self.monitor, zmq.NOBLOCK)["event"]
             except zmq.Again:
                 return
-            if event == zmq.EVENT_CONNECTED:
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.connected, self.refusals = True, 0
             elif event == zmq.EVENT_DISCONNECTED:
-                self.connected, self.lost = False, True
-            elif event == zmq.EVENT_CONNECT_RETRIED:
+                if self.connected:
+                    self.lost = True
+                self.connected = False
+            elif event == zmq.EVENT_CONNECT_RETRIED or event & _HANDSHAKE_FAILED:
                 self.refusals += 1
 
     def healthy(self) -> bool:
@@ -341,6 +376,8 @@ class Channel:
             if self.socket in events:
                 return
             self._read_monitor()
+            if self.producer_alive is not None and not self.producer_alive():
+                raise ProducerLostError.of(who, "is no longer running")
             if self.lost:
                 raise ProducerLostError.of(
                     who, "is unreachable: its process died or its node is down"
@@ -377,7 +414,9 @@ class Channel:
 
 class _ChannelCache(threading.local):
     def __init__(self) -> None:
-        self.channels: dict[str, Channel] = {}
+        # Most recently used last; bounded so that channels to producers long
+        # gone do not pile up (each keeps sockets and reconnect attempts).
+        self.channels: OrderedDict[str, Channel] = OrderedDict()
 
 
 _channels = _ChannelCache()
@@ -399,10 +438,13 @@ def channel(address: str) -> Iterator[Channel]:
         ch.close()
         raise
     else:
-        old = _channels.channels.pop(address, None)
+        cache = _channels.channels
+        old = cache.pop(address, None)
         if old is not None:
             old.close()
-        _channels.channels[address] = ch
+        cache[address] = ch
+        while len(cache) > _CACHED_CHANNELS:
+            cache.popitem(last=False)[1].close()
 
 
 def notify(address: str, header: dict[str, Any]) -> None:

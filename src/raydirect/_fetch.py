@@ -81,6 +81,12 @@ def choose_transport(payload: Payload, forced: str | None) -> str:
             return _CROSS_NODE
         return wanted
     if not transport.reachable(payload.transport_meta.get(wanted, {})):
+        if forced and wanted not in payload.transport_meta:
+            raise TransportUnavailableError(
+                f"tensor_transport={forced!r} was forced, but the object of "
+                f"{producer.describe()} was made for {payload.transport!r}, not for {forced!r}: "
+                "do not force the transport, or make the object with this one"
+            )
         if forced:
             raise GroupError(
                 f"tensor_transport={forced!r} was forced, but this process shares no live "

@@ -93,6 +93,7 @@ def export(value: Any, transport: str, label: str | None = None) -> Any:
         extra = transport_instance(name).extract_tensor_transport_metadata(obj_id, buffers).extra
         if extra:
             transport_meta[name] = extra
+            obj.transport_state[name] = extra  # handed back to garbage_collect
     if plugin is not None:
         # Plug-ins see the value's own tensors and the object id as a string, as in Ray RDT.
         meta = transport_instance(transport).extract_tensor_transport_metadata(

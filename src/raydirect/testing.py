@@ -119,8 +119,11 @@ def mismatch(got: Any, want: Any, path: str = "value") -> str | None:
 
 def check(case: str, got: Any, data_type: type = torch.Tensor) -> str | None:
     problem = mismatch(got, make_value(case, data_type))
-    if problem is None and case == "aliasing" and data_type is torch.Tensor and not (
-        got["a"] is got["b"] is got["list"][0] is got["list"][1][0]
+    if (
+        problem is None
+        and case == "aliasing"
+        and data_type is torch.Tensor
+        and not (got["a"] is got["b"] is got["list"][0] is got["list"][1][0])
     ):
         problem = "the same tensor arrived as several tensors"
     return problem

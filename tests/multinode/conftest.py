@@ -1,4 +1,4 @@
-"""One two-node Ray cluster (two network namespaces) for the whole multi-node session.
+"""One two-node Ray cluster (two network namespaces) per multi-node test module.
 
 Nothing here touches the single-node tests' Ray: the pytest process never calls
 ``ray.init``; drivers run as subprocesses inside the head's namespace (see
@@ -17,7 +17,9 @@ import mn_harness
 DRIVER = Path(__file__).with_name("mn_driver.py")
 
 
-@pytest.fixture(scope="session")
+# One cluster per test module: two Ray nodes are heavy on 2 cores, and must be
+# gone before the single-node tests run.
+@pytest.fixture(scope="module")
 def cluster() -> Iterator[mn_harness.Cluster]:
     reason = mn_harness.unavailable_reason()
     if reason:

@@ -254,6 +254,7 @@ class ByteTransport(TensorTransportManager):
     ) -> tuple[dict[str, Any], list[Any]]:
         """Ask the producer's agent to ``serve`` the object over this transport;
         returns its first reply (header and any inline frames)."""
+        _watch_producer(ch, comm_meta)
         ch.send(
             {
                 "op": "fetch",
@@ -264,3 +265,12 @@ class ByteTransport(TensorTransportManager):
             }
         )
         return ch.recv_reply(comm_meta.deadline, comm_meta.who)
+
+
+def _watch_producer(ch: Channel, comm_meta: PeerMetadata) -> None:
+    """On the producer's node, let the channel notice its death by pid at once."""
+    from raydirect import _agent, _ray
+
+    producer = comm_meta.producer
+    if producer.node_id == _ray.node_id():
+        ch.producer_alive = lambda: _agent.process_alive(producer.pid, producer.start_time)

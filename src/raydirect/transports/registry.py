@@ -44,6 +44,7 @@ _BUILTINS: dict[str, str] = {
     "cuda_ipc": "raydirect.transports.cuda_ipc:CudaIpcTransport",
     "gloo": "raydirect.transports.gloo:GlooTransport",
     "nccl": "raydirect.transports.nccl:NcclTransport",
+    "nixl": "raydirect.transports.nixl:NixlTransport",
     "shm": "raydirect.transports.shm:ShmTransport",
     "tcp": "raydirect.transports.tcp:TcpTransport",
 }
