@@ -61,3 +61,11 @@ class TestNumpyPlugin(raydirect.testing.TransportConformance):
         rd.register_tensor_transport(
             cls.transport, ["cpu"], NumpyShmTransport, np.ndarray, replace=True
         )
+
+
+@pytest.mark.skipif(
+    not __import__("raydirect.transports.nixl", fromlist=["available"]).available(),
+    reason="NIXL is not installed (pip install 'raydirect[nixl]')",
+)
+class TestNixl(raydirect.testing.TransportConformance):
+    transport = "nixl"
