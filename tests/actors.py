@@ -13,6 +13,7 @@ import ray
 import torch
 
 import raydirect as rd
+from raydirect.testing import mismatch
 
 
 def make_value(case: str) -> Any:
@@ -65,48 +66,13 @@ def make_value(case: str) -> Any:
     raise ValueError(case)
 
 
-def describe_mismatch(got: Any, want: Any, path: str = "") -> str | None:
-    """None when ``got`` equals ``want`` in value, dtype, shape and type; else where not."""
-    if isinstance(want, torch.Tensor):
-        if type(got) is not type(want):
-            return f"{path}: type {type(got).__name__} != {type(want).__name__}"
-        if got.dtype != want.dtype or got.shape != want.shape:
-            return f"{path}: {got.dtype}{tuple(got.shape)} != {want.dtype}{tuple(want.shape)}"
-        if got.requires_grad != want.requires_grad:
-            return f"{path}: requires_grad {got.requires_grad} != {want.requires_grad}"
-        if not torch.equal(got.detach(), want.detach()):
-            return f"{path}: values differ"
-        return None
-    if isinstance(want, np.ndarray):
-        if not isinstance(got, np.ndarray) or got.dtype != want.dtype or got.shape != want.shape:
-            return f"{path}: {type(got).__name__} {getattr(got, 'dtype', '')} != {want.dtype}"
-        return None if np.array_equal(got, want) else f"{path}: values differ"
-    if isinstance(want, dict):
-        if set(got) != set(want):
-            return f"{path}: keys {sorted(got)} != {sorted(want)}"
-        for k in want:
-            r = describe_mismatch(got[k], want[k], f"{path}.{k}")
-            if r:
-                return r
-        return None
-    if isinstance(want, (list, tuple)):
-        if type(got) is not type(want) or len(got) != len(want):
-            return f"{path}: {type(got).__name__}[{len(got)}] != {type(want).__name__}"
-        for i, (g, w) in enumerate(zip(got, want, strict=False)):
-            r = describe_mismatch(g, w, f"{path}[{i}]")
-            if r:
-                return r
-        return None
-    return None if got == want else f"{path}: {got!r} != {want!r}"
-
-
 def _one_tensor(got: Any) -> bool:
     return got["a"] is got["b"] is got["nested"][0] is got["nested"][1][1]["deep"]
 
 
 def check_value(case: str, got: Any) -> str | None:
     want = make_value(case)
-    problem = describe_mismatch(got, want)
+    problem = mismatch(got, want)
     if problem is None and case == "aliasing" and not _one_tensor(got):
         problem = "the same tensor arrived as several tensors"
     return problem

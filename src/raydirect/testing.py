@@ -94,7 +94,9 @@ def mismatch(got: Any, want: Any, path: str = "value") -> str | None:
                 f"{path}: {type(got).__name__} {getattr(got, 'dtype', '')} "
                 f"{tuple(getattr(got, 'shape', ()))}"
             )
-        return None if torch.equal(got, want) else f"{path}: values differ"
+        if got.requires_grad != want.requires_grad:
+            return f"{path}: requires_grad {got.requires_grad} != {want.requires_grad}"
+        return None if torch.equal(got.detach(), want.detach()) else f"{path}: values differ"
     if isinstance(want, np.ndarray):
         if not isinstance(got, np.ndarray) or got.dtype != want.dtype or got.shape != want.shape:
             return f"{path}: {type(got).__name__} {getattr(got, 'dtype', '')}"

@@ -15,10 +15,9 @@ import importlib
 import logging
 import sys
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -196,13 +195,6 @@ def known_names() -> list[str]:
         names |= set(_ray.transport_records())
     names |= {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)}
     return sorted(names)
-
-
-def registered() -> Mapping[str, str]:
-    """Read-only view: name -> the class that implements it (built-ins by dotted path)."""
-    return MappingProxyType(
-        {**_BUILTINS, **{n: r.cls.__qualname__ for n, r in _registrations.items()}}
-    )
 
 
 def check_name(name: object) -> str:
