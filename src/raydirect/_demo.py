@@ -8,6 +8,7 @@ and prints what it measured.
 from __future__ import annotations
 
 import logging
+import os
 import statistics
 import sys
 import time
@@ -129,3 +130,17 @@ def run_demo(quick: bool = False) -> int:
         return 0
     finally:
         ray.shutdown()
+        _sweep_segments_of_stopped_workers()
+
+
+def _sweep_segments_of_stopped_workers(timeout: float = 10.0) -> None:
+    """The shutdown killed the workers, which cannot unlink their shared-memory
+    segments: remove them once the processes are gone."""
+    from raydirect.transports.shm import PREFIX, SHM_DIR, sweep_dead_segments
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        sweep_dead_segments()
+        if not any(name.startswith(PREFIX) for name in os.listdir(SHM_DIR)):
+            return
+        time.sleep(0.1)
