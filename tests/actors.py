@@ -212,11 +212,6 @@ class Producer:
             return f"{type(exc).__name__}: {exc}"
         return "ok"
 
-    @rd.method
-    def gen(self, n: int):
-        for i in range(n):
-            yield torch.full((4,), float(i))
-
 
 @ray.remote(num_cpus=0)
 class Consumer:
