@@ -66,6 +66,22 @@ def make_value(case: str) -> Any:
     raise ValueError(case)
 
 
+def empty_like_value(value: dict[str, Any]) -> dict[str, Any]:
+    """Contiguous receive targets shaped like a value's tensors (a dict of them)."""
+    out: dict[str, Any] = {}
+    for key, t in value.items():
+        if isinstance(t, np.ndarray):
+            out[key] = np.empty(t.shape, dtype=t.dtype)
+            continue
+        target = torch.empty(t.shape, dtype=t.dtype)
+        if isinstance(t, torch.nn.Parameter):
+            target = torch.nn.Parameter(target, requires_grad=t.requires_grad)
+        elif t.requires_grad:
+            target.requires_grad_(True)
+        out[key] = target
+    return out
+
+
 def _one_tensor(got: Any) -> bool:
     return got["a"] is got["b"] is got["nested"][0] is got["nested"][1][1]["deep"]
 
@@ -254,6 +270,37 @@ class Consumer:
     def get_with_rd(self, refs: list[ray.ObjectRef], timeout: float | None = None) -> list[Any]:
         return rd.get(refs, timeout=timeout)
 
+    def stats(self) -> rd.LocalStats:
+        return rd.local_stats()
+
+    def get_into(self, case: str, refs: list[ray.ObjectRef], transport: str | None = None) -> Any:
+        """Receive into tensors of this actor's own; report what a user would check."""
+        targets = empty_like_value(make_value(case))
+        try:
+            got = rd.get(refs[0], into=targets, tensor_transport=transport)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        same = all(got[k] is targets[k] for k in targets)
+        return {"problem": check_value(case, got), "targets_returned": same}
+
+    def get_into_bad(self, refs: list[ray.ObjectRef], targets: Any) -> str:
+        """Targets the driver built to not fit; the error and whether bytes moved."""
+        before = rd.local_stats().objects_received
+        try:
+            rd.get(refs[0], into=targets)
+        except Exception as exc:
+            moved = rd.local_stats().objects_received != before
+            return f"{type(exc).__name__}: {exc}" + (" [bytes moved]" if moved else "")
+        return "no error"
+
+    def hint(self, case: str, refs: list[ray.ObjectRef]) -> None:
+        self.targets = empty_like_value(make_value(case))
+        rd.set_target(refs[0], self.targets)
+
+    def read_hinted_arg(self, case: str, value: Any) -> dict[str, Any]:
+        same = all(value[k] is self.targets[k] for k in self.targets)
+        return {"problem": check_value(case, value), "targets_returned": same}
+
     def fetch_error(self, refs: list[ray.ObjectRef]) -> str:
         try:
             ray.get(refs[0])
@@ -284,6 +331,35 @@ class AsyncProducer:
 
 
 @ray.remote(num_cpus=0)
+class AsyncReader:
+    """Reads a large object while a ticker coroutine counts how often the loop ran."""
+
+    def __init__(self) -> None:
+        self.ticks = 0
+
+    async def _tick(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self.ticks += 1
+            await asyncio.sleep(0.002)
+
+    async def read_while_ticking(self, refs: list[ray.ObjectRef], how: str) -> dict[str, Any]:
+        stop = asyncio.Event()
+        ticker = asyncio.create_task(self._tick(stop))
+        await asyncio.sleep(0)
+        before = self.ticks
+        if how == "get_async":
+            value = await rd.get_async(refs[0], timeout=120)
+        elif how == "await":
+            value = await refs[0]
+        else:  # the control: a blocking read on the loop's own thread
+            value = rd.get(refs[0], timeout=120)
+        ticks = self.ticks - before
+        stop.set()
+        await ticker
+        return {"ticks": ticks, "numel": value.numel(), "first": int(value[1])}
+
+
+@ray.remote(num_cpus=0)
 class AsyncConsumer:
     async def check(self, case: str, value: Any) -> str | None:
         await asyncio.sleep(0)
@@ -301,3 +377,28 @@ def task_put(case: str) -> list[ray.ObjectRef]:
 @ray.remote(num_cpus=0)
 def task_check(case: str, value: Any) -> str | None:
     return check_value(case, value)
+
+
+# Run inside actors with __ray_call__ (Actor.__ray_call__.remote(fn, ...)).
+
+
+def own_read(self: Any, refs: list[ray.ObjectRef]) -> dict[str, Any]:
+    targets = empty_like_value(make_value("dtypes"))
+    got = rd.get(refs[0], into=targets)
+    return {
+        "problem": check_value("dtypes", got),
+        "targets_returned": all(got[k] is targets[k] for k in targets),
+    }
+
+
+def partial_read(self: Any, refs: list[ray.ObjectRef], targets: Any) -> tuple[bool, str | None]:
+    got = rd.get(refs[0], into=targets)
+    return got["f32"] is targets["f32"], check_value("dtypes", got)
+
+
+def hint_plain(self: Any, refs: list[ray.ObjectRef]) -> str:
+    try:
+        rd.set_target(refs[0], {"x": None})
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"

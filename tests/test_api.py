@@ -39,13 +39,16 @@ def test_public_names():
             "TransferError",
             "TransportUnavailableError",
             "UnknownTransportError",
+            "broadcast",
             "create_collective_group",
             "destroy_collective_group",
             "get",
+            "get_async",
             "local_stats",
             "method",
             "put",
             "register_tensor_transport",
+            "set_target",
             "wait_tensor_freed",
         ]
     )

@@ -5,7 +5,16 @@ producer, Ray hands out an ordinary ``ObjectRef``, and whoever consumes the ref
 receives the bytes straight from the producer.
 """
 
-from raydirect._api import get, local_stats, method, put, wait_tensor_freed
+from raydirect._api import (
+    get,
+    get_async,
+    local_stats,
+    method,
+    put,
+    set_target,
+    wait_tensor_freed,
+)
+from raydirect._broadcast import broadcast
 from raydirect._groups import create_collective_group, destroy_collective_group
 from raydirect._store import LocalStats
 from raydirect.errors import (
@@ -40,12 +49,15 @@ __all__ = [
     "TransferError",
     "TransportUnavailableError",
     "UnknownTransportError",
+    "broadcast",
     "create_collective_group",
     "destroy_collective_group",
     "get",
+    "get_async",
     "local_stats",
     "method",
     "put",
     "register_tensor_transport",
+    "set_target",
     "wait_tensor_freed",
 ]

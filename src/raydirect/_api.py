@@ -1,7 +1,9 @@
-"""The public functions: method, put, get, wait_tensor_freed, local_stats."""
+"""The public functions: method, put, get, get_async, set_target, wait_tensor_freed,
+local_stats."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import inspect
 import time
@@ -17,13 +19,16 @@ from raydirect._fetch import fetch_value
 from raydirect._payload import PendingFetch, deferred
 from raydirect._producer import export
 from raydirect._store import LocalStats, store
+from raydirect._targets import match, set_hint
 from raydirect.errors import FetchTimeoutError
 from raydirect.transports.registry import AUTO, check_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 _FETCH_THREADS = 8
+_ASYNC_THREADS = 4
 _pool: ThreadPoolExecutor | None = None
+_async_executor: ThreadPoolExecutor | None = None
 
 
 def _export_returns(wrapper: Any, value: Any, transport: str) -> Any:
@@ -104,15 +109,41 @@ def _fetch_pool() -> ThreadPoolExecutor:
     return _pool
 
 
-def get(refs: Any, *, timeout: float | None = None, tensor_transport: str | None = None) -> Any:
+def _async_pool() -> ThreadPoolExecutor:
+    # Separate from the fetch pool: a get running here waits on fetches there.
+    global _async_executor
+    if _async_executor is None:
+        _ray.quiet_off_loop_get_warning()
+        _async_executor = ThreadPoolExecutor(
+            _ASYNC_THREADS, thread_name_prefix=_ray.OFF_LOOP_THREAD_PREFIX
+        )
+    return _async_executor
+
+
+def get(
+    refs: Any,
+    *,
+    timeout: float | None = None,
+    tensor_transport: str | None = None,
+    into: Any = None,
+) -> Any:
     """Like ``ray.get``, but every ref's tensors are fetched concurrently, the
     whole call is bounded by ``timeout`` (``FetchTimeoutError``, a
     ``ray.exceptions.GetTimeoutError``), and ``tensor_transport`` can force a
-    transport for this read."""
+    transport for this read.
+
+    ``into`` receives the tensors into your own memory, for instance a model's
+    ``state_dict()``: for one ref, a structure like the value's (or one tensor);
+    for a list of refs, a list of those (``None`` where there is none). Every
+    target's shape, dtype, device and contiguity are checked before a byte
+    moves (``ValueError``/``TypeError`` naming the target); the returned value
+    holds the target tensors themselves.
+    """
     if tensor_transport is not None:
         check_name(tensor_transport)
     single = isinstance(refs, ray.ObjectRef)
     ref_list = [refs] if single else list(refs)
+    intos = _per_ref(into, single, len(ref_list))
     deadline = None if timeout is None else time.monotonic() + timeout
     deferred.active = True
     try:
@@ -120,15 +151,25 @@ def get(refs: Any, *, timeout: float | None = None, tensor_transport: str | None
     finally:
         deferred.active = False
     pending = [i for i, v in enumerate(values) if isinstance(v, PendingFetch)]
+    for i, target in enumerate(intos):
+        if target is not None and i not in pending:
+            raise ValueError(
+                f"into= was given for ref {i}, whose value holds no raydirect tensors; "
+                "use into= only for objects made by rd.method or rd.put"
+            )
+    # Checked before any transfer starts, so a bad target moves nothing.
+    targets = {i: match(values[i].payload, intos[i]) for i in pending if intos[i] is not None}
     if len(pending) == 1:
         i = pending[0]
         try:
-            values[i] = fetch_value(values[i].payload, deadline, tensor_transport)
+            values[i] = fetch_value(values[i].payload, deadline, tensor_transport, targets.get(i))
         except TimeoutError as exc:
             raise _timeout_error(timeout, 1, [values[i]]) from exc
     elif pending:
         futures = {
-            i: _fetch_pool().submit(fetch_value, values[i].payload, deadline, tensor_transport)
+            i: _fetch_pool().submit(
+                fetch_value, values[i].payload, deadline, tensor_transport, targets.get(i)
+            )
             for i in pending
         }
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -145,6 +186,58 @@ def get(refs: Any, *, timeout: float | None = None, tensor_transport: str | None
         for i, fut in futures.items():
             values[i] = fut.result()
     return values[0] if single else values
+
+
+def _per_ref(into: Any, single: bool, count: int) -> list[Any]:
+    if into is None:
+        return [None] * count
+    if single:
+        return [into]
+    if not isinstance(into, (list, tuple)) or len(into) != count:
+        raise TypeError(
+            f"rd.get of {count} refs takes into= as a list of {count} targets "
+            "(None where a ref has none)"
+        )
+    return list(into)
+
+
+async def get_async(
+    refs: Any,
+    *,
+    timeout: float | None = None,
+    tensor_transport: str | None = None,
+    into: Any = None,
+) -> Any:
+    """``rd.get`` for coroutines: ``await rd.get_async(refs)`` fetches on a
+    worker thread, so the event loop (and every other coroutine of an async
+    actor) keeps running during a large transfer. Same arguments as ``rd.get``."""
+    loop = asyncio.get_running_loop()
+    call = functools.partial(
+        get, refs, timeout=timeout, tensor_transport=tensor_transport, into=into
+    )
+    return await loop.run_in_executor(_async_pool(), call)
+
+
+def set_target(ref: ray.ObjectRef, into: Any) -> None:
+    """Have the next read of ``ref`` in this process land in ``into``: Ray
+    rebuilding it as a task argument, ``ray.get``, ``rd.get`` or ``await``.
+    ``into`` is checked now, as for ``rd.get(ref, into=...)``; ``None`` clears
+    the hint. The hint is used once."""
+    if not isinstance(ref, ray.ObjectRef):
+        raise TypeError(f"rd.set_target takes an ObjectRef, got {type(ref).__name__}")
+    deferred.active = True
+    try:
+        value = ray.get(ref)
+    finally:
+        deferred.active = False
+    if not isinstance(value, PendingFetch):
+        raise ValueError(
+            "rd.set_target: this ref's value holds no raydirect tensors; only objects made "
+            "by rd.method or rd.put can be received into your buffers"
+        )
+    if into is not None:
+        match(value.payload, into)
+    set_hint(value.payload.obj_id, into)
 
 
 def _timeout_error(timeout: float | None, count: int, late: list[Any]) -> FetchTimeoutError:

@@ -29,6 +29,7 @@ import torch
 from raydirect import _agent, _ray
 from raydirect._payload import Payload, join
 from raydirect._store import store
+from raydirect._targets import copy_into, match, take_hint, writable_bytes
 from raydirect._tensors import allocate_bytes, arena_layout, finish, tensors_from_arena
 from raydirect.errors import (
     GroupError,
@@ -136,24 +137,35 @@ def _arena_device(name: str, payload: Payload) -> str:
 
 
 def fetch_tensors(
-    payload: Payload, deadline: float | None = None, forced: str | None = None
+    payload: Payload,
+    deadline: float | None = None,
+    forced: str | None = None,
+    into: dict[int, Any] | None = None,
 ) -> list[Any]:
     """The tensors of ``payload`` in this process (copies, or the originals when
-    this process produced them)."""
+    this process produced them); tensor ``i`` lands in ``into[i]`` where given
+    (targets already checked by ``_targets.match``)."""
+    into = into or {}
     producer = payload.producer
     if producer.process_token == _agent.PROCESS_TOKEN:
         obj = store.get(payload.obj_id)
         if obj is None:
             raise ProducerLostError.of(producer.describe(), "already freed the object")
         store.count_received("local", obj.nbytes)
-        return list(obj.originals)
+        return _fill(list(obj.originals), into)
     name = choose_transport(payload, forced)
     if not transport_class(name).byte_transport:
-        return _receive_plugin(name, payload, deadline)
+        return _fill(_receive_plugin(name, payload, deadline), into)
     comm = PeerMetadata(producer, payload.capability, deadline)
-    offsets, total = arena_layout(payload.metas)
-    arena = allocate_bytes(total, _arena_device(name, payload))
-    targets = [arena[off : off + m.nbytes] for off, m in zip(offsets, payload.metas, strict=True)]
+    metas = payload.metas
+    missing = [i for i in range(len(metas)) if i not in into]
+    offsets, total = arena_layout([metas[i] for i in missing])
+    arena = allocate_bytes(total, _arena_device(name, payload)) if missing else None
+    targets: list[Any] = [None] * len(metas)
+    for i, off in zip(missing, offsets, strict=True):
+        targets[i] = arena[off : off + metas[i].nbytes]  # type: ignore[index]
+    for i, target in into.items():
+        targets[i] = writable_bytes(target)
     try:
         try:
             _receive(name, payload, comm, targets)
@@ -172,7 +184,19 @@ def fetch_tensors(
             sweep_dead_segments(producer.pid)
         raise
     store.count_received(name, payload.nbytes)
-    return tensors_from_arena(arena, payload.metas, offsets)
+    out: list[Any] = list(into.get(i) for i in range(len(metas)))
+    if arena is not None:
+        received = tensors_from_arena(arena, [metas[i] for i in missing], offsets)
+        for i, tensor in zip(missing, received, strict=True):
+            out[i] = tensor
+    return out
+
+
+def _fill(tensors: list[Any], into: dict[int, Any]) -> list[Any]:
+    """Tensors that arrived elsewhere (the producer's own, a plug-in's), copied into targets."""
+    for i, target in into.items():
+        tensors[i] = copy_into(target, tensors[i])
+    return tensors
 
 
 def _receive(name: str, payload: Payload, comm: PeerMetadata, targets: list) -> None:
@@ -236,6 +260,17 @@ def _mismatch(received: list[Any], metas: list[Any]) -> str | None:
     return None
 
 
-def fetch_value(payload: Payload, deadline: float | None = None, forced: str | None = None) -> Any:
-    """The value ``payload`` stands for, rebuilt in this process."""
-    return join(payload.skeleton, fetch_tensors(payload, deadline, forced), payload.handles)
+def fetch_value(
+    payload: Payload,
+    deadline: float | None = None,
+    forced: str | None = None,
+    targets: dict[int, Any] | None = None,
+) -> Any:
+    """The value ``payload`` stands for, rebuilt in this process; into
+    ``targets`` (from ``_targets.match``) where given, else into those of an
+    ``rd.set_target`` hint."""
+    hint = take_hint(payload.obj_id)
+    if targets is None and hint is not None:
+        targets = match(payload, hint)
+    tensors = fetch_tensors(payload, deadline, forced, targets)
+    return join(payload.skeleton, tensors, payload.handles)

@@ -8,8 +8,11 @@ elsewhere.
 from __future__ import annotations
 
 import functools
+import logging
 import os
+import threading
 from collections.abc import Callable
+from typing import Any
 
 import ray
 
@@ -171,3 +174,28 @@ def current_actor_handle() -> ray.actor.ActorHandle | None:
         return ray.get_runtime_context().current_actor
     except Exception:  # not an actor
         return None
+
+
+def run_in_actor(actor: ray.actor.ActorHandle, fn: Callable[..., Any], *args: Any) -> ray.ObjectRef:
+    """Run ``fn(actor_instance, *args)`` as a task of ``actor``, which need not
+    define a method for it (Ray's developer API ``__ray_call__``)."""
+    return actor.__ray_call__.remote(fn, *args)
+
+
+class _OffLoopGetFilter:
+    """Drops Ray's "blocking ray.get inside async actor" warning for gets that
+    ``rd.get_async`` runs on its own threads, where they block no event loop."""
+
+    def filter(self, record: Any) -> bool:
+        return not (
+            threading.current_thread().name.startswith(OFF_LOOP_THREAD_PREFIX)
+            and str(record.msg).startswith("Using blocking ray.get inside async actor")
+        )
+
+
+OFF_LOOP_THREAD_PREFIX = "raydirect-async"
+
+
+@functools.cache
+def quiet_off_loop_get_warning() -> None:
+    logging.getLogger("ray._private.worker").addFilter(_OffLoopGetFilter())

@@ -1,0 +1,166 @@
+"""Receiving into the caller's own tensors: ``rd.get(ref, into=...)`` and ``rd.set_target``.
+
+``into`` mirrors the value: a tensor for a value that is one tensor, or the
+same structure (dicts matched by key, lists and tuples by position, objects
+by their attributes) with tensors where the value has tensors, for instance
+``model.state_dict()`` for a state dict. Every target is checked (type,
+device, dtype, shape, contiguity) before a byte moves, and the bytes land in
+the targets themselves: no receive buffer, no copy after. Tensors of the value
+that ``into`` does not cover arrive in a new buffer as usual.
+
+A per-ref hint (``rd.set_target``) serves reads this process does not call
+itself: Ray rebuilding a task argument, or a plain ``ray.get``. It is keyed by
+the object's raydirect id, taken from its Payload, and used once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from raydirect._payload import Payload, join
+from raydirect._tensors import TensorMeta
+
+_hints: dict[bytes, Any] = {}
+_hints_lock = threading.Lock()
+
+
+class _Slot:
+    """Stands where the value has tensor ``index`` while matching ``into``."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+
+
+def match(payload: Payload, into: Any) -> dict[int, Any]:
+    """The target for each of ``payload``'s tensors that ``into`` covers, by index.
+
+    Raises ``ValueError`` or ``TypeError`` naming the first target that does not fit.
+    """
+    if isinstance(into, (torch.Tensor, np.ndarray)):
+        if len(payload.metas) != 1:
+            raise ValueError(
+                f"into= is one tensor, but the object holds {len(payload.metas)} tensors; "
+                "pass a structure like the value's (a dict, list or tuple of tensors)"
+            )
+        found = {0: into}
+    else:
+        slots = [_Slot(i) for i in range(len(payload.metas))]
+        try:
+            shape = join(payload.skeleton, slots, payload.handles)
+        except Exception as exc:  # a class whose unpickling insists on real tensors
+            raise TypeError(
+                f"into= cannot be matched against this value ({type(exc).__name__}: {exc}); "
+                "receive without into= and copy"
+            ) from exc
+        found = {}
+        _walk(shape, into, "into", found)
+    seen: dict[int, str] = {}
+    for index, target in found.items():
+        _check(target, payload.metas[index], index)
+        key = _memory_key(target)
+        if key in seen and payload.metas[index].nbytes:
+            raise ValueError(
+                f"into= names the same memory for tensors {seen[key]} and {index} of the object; "
+                "give each tensor its own target"
+            )
+        seen[key] = str(index)
+    return found
+
+
+def _walk(shape: Any, into: Any, path: str, found: dict[int, Any]) -> None:
+    if isinstance(shape, _Slot):
+        if into is not None:
+            found[shape.index] = into
+        return
+    if into is None:
+        return
+    if isinstance(shape, Mapping):
+        if not isinstance(into, Mapping):
+            raise TypeError(f"{path} is {type(into).__name__}, but the value has a mapping there")
+        for key, target in into.items():
+            if key not in shape:
+                raise ValueError(f"{path}[{key!r}] has no counterpart in the value")
+            _walk(shape[key], target, f"{path}[{key!r}]", found)
+        return
+    if isinstance(shape, (list, tuple)):
+        if not isinstance(into, (list, tuple)) or len(into) != len(shape):
+            got = f"{type(into).__name__} of {len(into)}" if isinstance(into, (list, tuple)) else (
+                type(into).__name__
+            )
+            raise TypeError(f"{path} is {got}, but the value has a sequence of {len(shape)} there")
+        for i, (part, target) in enumerate(zip(shape, into, strict=True)):
+            _walk(part, target, f"{path}[{i}]", found)
+        return
+    if hasattr(shape, "__dict__") and type(shape) is type(into):
+        for name, part in vars(shape).items():
+            _walk(part, getattr(into, name, None), f"{path}.{name}", found)
+        return
+    raise TypeError(
+        f"{path} is {type(into).__name__}, but the value has no tensor there "
+        f"({type(shape).__name__}); leave it out of into= or put None"
+    )
+
+
+def _check(target: Any, meta: TensorMeta, index: int) -> None:
+    where = f"into= target for tensor {index} of the object"
+    if isinstance(target, np.ndarray):
+        if not target.flags.c_contiguous or not target.flags.writeable:
+            raise ValueError(f"{where} must be a writeable C-contiguous numpy array")
+        view = torch.from_numpy(target)
+    elif isinstance(target, torch.Tensor):
+        view = target
+        if not target.is_contiguous():
+            raise ValueError(f"{where} must be contiguous; pass target.contiguous() and copy back")
+    else:
+        raise TypeError(f"{where} must be a tensor or numpy array, got {type(target).__name__}")
+    expected = f"shape {tuple(meta.shape)}, dtype {meta.dtype}, device {meta.device}"
+    dtype = str(view.dtype).removeprefix("torch.")
+    if tuple(view.shape) != tuple(meta.shape) or dtype != meta.dtype:
+        raise ValueError(
+            f"{where} has shape {tuple(view.shape)} and dtype {dtype}; the tensor that "
+            f"arrives has {expected}"
+        )
+    if view.device.type != meta.device:
+        raise ValueError(f"{where} is on {view.device}; the tensor that arrives has {expected}")
+
+
+def _memory_key(target: Any) -> int:
+    if isinstance(target, np.ndarray):
+        return int(target.__array_interface__["data"][0])
+    return int(target.data_ptr())
+
+
+def writable_bytes(target: Any) -> torch.Tensor:
+    """The flat uint8 view of a checked target's memory."""
+    view = torch.from_numpy(target) if isinstance(target, np.ndarray) else target.detach()
+    return view.reshape(-1).view(torch.uint8)
+
+
+def copy_into(target: Any, tensor: Any) -> Any:
+    """Write ``tensor`` (as received) into ``target``; returns ``target``."""
+    src = torch.from_numpy(np.ascontiguousarray(tensor)) if isinstance(tensor, np.ndarray) else (
+        tensor
+    )
+    dst = torch.from_numpy(target) if isinstance(target, np.ndarray) else target.detach()
+    dst.copy_(src.detach().view(dst.dtype) if src.dtype != dst.dtype else src.detach())
+    return target
+
+
+def set_hint(obj_id: bytes, into: Any) -> None:
+    with _hints_lock:
+        if into is None:
+            _hints.pop(obj_id, None)
+        else:
+            _hints[obj_id] = into
+
+
+def take_hint(obj_id: bytes) -> Any:
+    with _hints_lock:
+        return _hints.pop(obj_id, None)
