@@ -181,6 +181,14 @@ class Producer:
     def value_plugin(self, case: str) -> Any:
         return make_value(case)
 
+    @rd.method(tensor_transport="gated")
+    def value_gated(self, case: str) -> Any:
+        return make_value(case)
+
+    @rd.method(tensor_transport="failing_prepare")
+    def value_failing_prepare(self, case: str) -> Any:
+        return make_value(case)
+
     @rd.method(tensor_transport="registered_late")
     def value_late(self, case: str) -> Any:
         return make_value(case)

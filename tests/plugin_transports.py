@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,6 +84,27 @@ class BrokenRecvTransport(PickleShmTransport):
         self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None
     ):
         raise RuntimeError("the disk is on fire")
+
+
+class GatedPrepareTransport(PickleShmTransport):
+    """Preparation waits until the test opens a gate (a file): slow preparation on cue."""
+
+    GATE = os.path.join(SHM_DIR, "rdplug-gate")
+
+    def extract_tensor_transport_metadata(self, obj_id, tensors):
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.GATE):
+            if time.monotonic() > deadline:
+                raise TimeoutError("the test never opened the gate")
+            time.sleep(0.01)
+        return super().extract_tensor_transport_metadata(obj_id, tensors)
+
+
+class FailingPrepareTransport(PickleShmTransport):
+    """Preparation fails (in the background, after the method returned)."""
+
+    def extract_tensor_transport_metadata(self, obj_id, tensors):
+        raise OSError("no space left for the staging copy")
 
 
 class NotATransport:

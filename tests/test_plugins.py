@@ -19,6 +19,8 @@ from helpers import wait_for
 from plugin_transports import (
     AbortableBrokenTransport,
     BrokenRecvTransport,
+    FailingPrepareTransport,
+    GatedPrepareTransport,
     NotATransport,
     NumpyShmTransport,
     PickleShmTransport,
@@ -173,3 +175,34 @@ def test_entry_point_transports_are_found(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     assert "rdfake" in registry.known_names()
     assert registry.transport_class("rdfake").__name__ == "FakeTransport"
+
+
+def test_slow_preparation_never_delays_the_producer(actors_first):
+    p, c = actors_first
+    rd.register_tensor_transport("gated", ["cpu"], GatedPrepareTransport, replace=True)
+    gate = GatedPrepareTransport.GATE
+    if os.path.exists(gate):
+        os.unlink(gate)
+    try:
+        ref = p.value_gated.remote("dtypes")
+        # The gate is closed, so preparation cannot finish: the method and the
+        # actor's next call complete regardless.
+        assert ray.wait([ref], timeout=60)[0] == [ref]
+        assert ray.get(p.pid.remote(), timeout=60) > 0
+        reading = c.check.remote("dtypes", ref)
+        assert ray.wait([reading], timeout=1)[0] == []  # the consumer waits for it
+        open(gate, "w").close()
+        assert ray.get(reading, timeout=60) is None
+    finally:
+        if os.path.exists(gate):
+            os.unlink(gate)
+
+
+def test_a_failed_background_preparation_reaches_the_consumer(actors_first):
+    p, c = actors_first
+    rd.register_tensor_transport("failing_prepare", ["cpu"], FailingPrepareTransport, replace=True)
+    ref = p.value_failing_prepare.remote("dtypes")
+    error = ray.get(c.try_get.remote([ref]))
+    assert "preparing it for failing_prepare failed" in error
+    assert "no space left for the staging copy" in error
+    assert ray.get(p.pid.remote()) > 0

@@ -32,14 +32,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from contextlib import contextmanager
 from typing import Any
 
 import zmq
+from ray import cloudpickle
 from zmq.utils.monitor import recv_monitor_message
 
 from raydirect import _ray
-from raydirect._store import store
+from raydirect._store import StoredObject, store
 from raydirect.errors import ProducerLostError, TransferError
 
 log = logging.getLogger("raydirect")
@@ -57,6 +59,8 @@ _CACHED_CHANNELS = 16  # per thread
 # times in a row mean nobody serves that address any more.
 _REFUSALS_BEFORE_LOST = 5
 _POLL_SLICE_MS = 200
+# A consumer with no deadline waits this long for background preparation.
+_MAX_PREPARE_WAIT = 3600.0
 # Stream messages a consumer buffers ahead of its reader (16 MiB each for tcp).
 _READ_AHEAD_MESSAGES = 4
 
@@ -229,6 +233,9 @@ class Agent:
             obj.check_unmodified()
             store.count_sent(request.get("transport", "?"), obj.nbytes)
             return
+        if op == "meta":
+            self._send_prepared(obj, request, reply)
+            return
         if op != "fetch":
             reply.send({"ok": False, "kind": "bad_request", "error": f"unknown op {op!r}"})
             return
@@ -246,6 +253,34 @@ class Agent:
         except Exception as exc:
             log.exception("raydirect agent: serving %s over %s failed", obj_id.hex()[:8], name)
             reply.send({"ok": False, "kind": "transfer", "error": f"{type(exc).__name__}: {exc}"})
+
+
+    @staticmethod
+    def _send_prepared(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
+        """Metadata prepared in the background, once ready (the consumer waits for it)."""
+        name = str(request.get("transport", ""))
+        future = obj.preparing.get(name)
+        if future is None:
+            error = f"nothing prepared for {name}"
+            reply.send({"ok": False, "kind": "bad_request", "error": error})
+            return
+        timeout = request.get("timeout")
+        wait = _MAX_PREPARE_WAIT if timeout is None else min(float(timeout), _MAX_PREPARE_WAIT)
+        try:
+            meta = future.result(timeout=max(wait, 0.0))
+        except FutureTimeoutError:
+            reply.send({"ok": False, "kind": "transfer", "error": f"{name} still preparing"})
+            return
+        except Exception as exc:
+            reply.send(
+                {
+                    "ok": False,
+                    "kind": "transfer",
+                    "error": f"preparing it for {name} failed: {type(exc).__name__}: {exc}",
+                }
+            )
+            return
+        reply.send({"ok": True}, cloudpickle.dumps(meta))
 
 
 _agent: Agent | None = None
@@ -459,6 +494,20 @@ def request(address: str, header: dict[str, Any], timeout: float) -> dict[str, A
         ch.send({**header, "reply": True})
         answer, _ = ch.recv_reply(time.monotonic() + timeout, address)
     return answer
+
+
+def prepared_metadata(
+    address: str, header: dict[str, Any], deadline: float | None, who: str
+) -> Any:
+    """Transport metadata the producer prepares in the background; waits for it."""
+    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    with channel(address) as ch:
+        ch.send({**header, "op": "meta", "reply": True, "timeout": remaining})
+        _, frames = ch.recv_reply(deadline, who)
+    if len(frames) != 1:
+        raise TransferError(f"corrupt reply from {who}: {len(frames)} metadata frames")
+    # The producer is the party whose Payload this process already unpickled.
+    return cloudpickle.loads(frames[0].bytes)
 
 
 def query_stats(address: str, timeout: float = 2.0) -> dict[str, Any]:

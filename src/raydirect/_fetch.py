@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from raydirect import _agent, _ray
-from raydirect._payload import Payload, join
+from raydirect._payload import PREPARING, Payload, join
 from raydirect._store import store
 from raydirect._targets import copy_into, match, take_hint, writable_bytes
 from raydirect._tensors import allocate_bytes, arena_layout, finish, tensors_from_arena
@@ -200,8 +200,23 @@ def _fill(tensors: list[Any], into: dict[int, Any]) -> list[Any]:
 
 
 def _receive(name: str, payload: Payload, comm: PeerMetadata, targets: list) -> None:
-    meta = TensorTransportMetadata(payload.metas, "cpu", payload.transport_meta.get(name, {}))
+    extra = _transport_meta(payload, name, comm.deadline) or {}
+    meta = TensorTransportMetadata(payload.metas, "cpu", extra)
     transport_instance(name).recv_multiple_tensors(payload.obj_id, meta, comm, targets)
+
+
+def _transport_meta(payload: Payload, name: str, deadline: float | None) -> Any:
+    """What transport ``name`` extracted for ``payload``, asking the producer's
+    agent (and waiting) when it is still being prepared in the background."""
+    meta = payload.transport_meta.get(name)
+    if meta != PREPARING:
+        return meta
+    header = {"obj": payload.obj_id.hex(), "cap": payload.capability.hex(), "transport": name}
+    meta = _agent.prepared_metadata(
+        payload.producer.agent_address, header, deadline, payload.producer.describe()
+    )
+    payload.transport_meta[name] = meta  # once per rebuilt Payload
+    return meta
 
 
 def _receive_plugin(name: str, payload: Payload, deadline: float | None) -> list[Any]:
@@ -210,7 +225,7 @@ def _receive_plugin(name: str, payload: Payload, deadline: float | None) -> list
     transport = transport_instance(name)
     who = payload.producer.describe()
     obj_id = payload.obj_id.hex()
-    meta = payload.transport_meta[name]
+    meta = _transport_meta(payload, name, deadline)
     comm = transport.get_communicator_metadata(None, _ray.current_actor_handle(), name)
     try:
         request = transport.fetch_multiple_tensors(obj_id, meta, comm, None)

@@ -26,6 +26,10 @@ from ray.actor import ActorHandle
 
 from raydirect._tensors import TensorMeta, as_tensor, describe
 
+# Stands in ``Payload.transport_meta`` for metadata the producer still prepares
+# in the background: the consumer asks the producer's agent for it.
+PREPARING = "raydirect:preparing"
+
 
 @dataclass(frozen=True, slots=True)
 class ProducerInfo:

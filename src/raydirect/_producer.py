@@ -2,17 +2,27 @@
 
 from __future__ import annotations
 
+import functools
+import logging
 import secrets
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from raydirect import _agent, _groups, _ray
 from raydirect._lease import leases
-from raydirect._payload import Payload, ProducerInfo, split
+from raydirect._payload import PREPARING, Payload, ProducerInfo, split
 from raydirect._store import StoredObject, store
 from raydirect._tensors import flat_bytes
-from raydirect.transports.registry import AUTO, check_name, registration, transport_instance
+from raydirect.transports.registry import (
+    AUTO,
+    check_name,
+    registration,
+    release_one,
+    transport_instance,
+)
 
 # ``auto`` picks per consumer among these; cma's metadata (addresses) is free to
 # extract, so every object carries it.
@@ -22,6 +32,8 @@ _AUTO_DEVICES = ("cpu", "cuda")
 _AUTO_EXTRACTED = {"cpu": ("cma", "gloo"), "cuda": ("cuda_ipc", "nccl")}
 
 _session: tuple[int, str] | None = None
+_preparation_pool: ThreadPoolExecutor | None = None
+log = logging.getLogger("raydirect")
 
 
 def _check_devices(transport: str, tensors: list[torch.Tensor], label: str) -> None:
@@ -49,6 +61,47 @@ def _extracts_cheaply(name: str) -> bool:
     if name not in _groups.BACKENDS:
         return True
     return any(not g.broken for g in _groups.local_groups(name).values())
+
+
+def _extract(obj: StoredObject, name: str, background: bool, extract: Callable[[], Any]) -> Any:
+    """Transport ``name``'s metadata for ``obj`` now, or ``PREPARING`` while the
+    preparation thread makes it (``obj.preparing``; the agent hands it out)."""
+    if not background:
+        meta = extract()
+        if meta:
+            obj.transport_state[name] = meta  # handed back to garbage_collect
+        return meta
+    future = _preparer().submit(extract)
+    obj.preparing[name] = future
+    future.add_done_callback(functools.partial(_prepared, obj, name))
+    return PREPARING
+
+
+def _extra(transport: Any, obj_id: bytes, buffers: list[torch.Tensor]) -> dict[str, Any]:
+    # Byte transports keep only the ``extra`` dict: the rest is in the Payload.
+    return dict(transport.extract_tensor_transport_metadata(obj_id, buffers).extra)
+
+
+def _prepared(obj: StoredObject, name: str, future: Future[Any]) -> None:
+    try:
+        meta = future.result()
+    except Exception:
+        log.exception("raydirect: preparing %s for %s failed", name, obj.label)
+        return  # the consumer that asks gets the error from the future
+    with obj.lock:
+        if not obj.freed:
+            obj.transport_state[name] = meta
+            return
+    release_one(obj, name, meta)  # freed while it was being prepared
+
+
+def _preparer() -> ThreadPoolExecutor:
+    # One thread: preparations run in the order objects were made, never in
+    # the producer's own method thread.
+    global _preparation_pool
+    if _preparation_pool is None:
+        _preparation_pool = ThreadPoolExecutor(1, thread_name_prefix="raydirect-prepare")
+    return _preparation_pool
 
 
 def export(value: Any, transport: str, label: str | None = None) -> Any:
@@ -88,21 +141,30 @@ def export(value: Any, transport: str, label: str | None = None) -> Any:
         transport=transport,
         nbytes=sum(m.nbytes for m in parts.metas),
     )
-    transport_meta: dict[str, Any] = {}
-    for name in _extracted(transport, parts.tensors, plugin is not None):
-        extra = transport_instance(name).extract_tensor_transport_metadata(obj_id, buffers).extra
-        if extra:
-            transport_meta[name] = extra
-            obj.transport_state[name] = extra  # handed back to garbage_collect
-    if plugin is not None:
-        # Plug-ins see the value's own tensors and the object id as a string, as in Ray RDT.
-        meta = transport_instance(transport).extract_tensor_transport_metadata(
-            obj_id.hex(), parts.originals
-        )
-        transport_meta[transport] = meta
-        obj.transport_state[transport] = meta  # handed back to garbage_collect
     store.add(obj)
+    transport_meta: dict[str, Any] = {}
     try:
+        for name in _extracted(transport, parts.tensors, plugin is not None):
+            byte_transport = transport_instance(name)
+            extra = _extract(
+                obj,
+                name,
+                byte_transport.extract_in_background,
+                functools.partial(_extra, byte_transport, obj_id, buffers),
+            )
+            if extra:
+                transport_meta[name] = extra
+        if plugin is not None:
+            # Plug-ins see the value's own tensors and the object id as a string, as in Ray RDT.
+            plugin_transport = transport_instance(transport)
+            transport_meta[transport] = _extract(
+                obj,
+                transport,
+                plugin_transport.extract_in_background,
+                lambda: plugin_transport.extract_tensor_transport_metadata(
+                    obj_id.hex(), parts.originals
+                ),
+            )
         lease = leases.take(lambda: store.free_later(obj_id))
     except BaseException:
         store.free(obj_id)

@@ -14,6 +14,7 @@ import threading
 import time
 import warnings
 from collections import Counter
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,9 @@ class StoredObject:
     transport_state: dict[str, Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     mutation_warned: bool = False
+    # Transport metadata still being prepared in the background, by transport name.
+    preparing: dict[str, Future[Any]] = field(default_factory=dict)
+    freed: bool = False  # set under ``lock`` before its transport state is released
 
     def check_unmodified(self) -> None:
         """Warn (once) if a tensor was written in place after it was exported."""
@@ -123,6 +127,8 @@ class Store:
             if obj is None:
                 return
             self._nbytes -= obj.nbytes
+        with obj.lock:  # a preparation finishing from now on releases its own state
+            obj.freed = True
         from raydirect.transports.registry import release_state
 
         # Release transport state (a pooled segment) before waking waiters, so a

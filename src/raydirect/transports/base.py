@@ -25,7 +25,9 @@ Call diagram for a one-sided transport::
 
     producer process                          consumer process
     rd.method returns
-      extract_tensor_transport_metadata   ->  (metadata rides in the Payload)
+      extract_tensor_transport_metadata   ->  (metadata rides in the Payload, or,
+        (on the preparation thread when        when prepared in the background, the
+         extract_in_background)                consumer asks the agent and waits)
                                               recv_multiple_tensors(obj_id, meta,
                                                   comm_meta, target_buffers)
       serve(obj, request, reply)   <-agent-      (pull-style transports ask the agent)
@@ -135,6 +137,12 @@ class TensorTransportManager(ABC):
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
     same_node_only: ClassVar[bool] = False
     byte_transport: ClassVar[bool] = False
+    extract_in_background: ClassVar[bool] = True
+    """Run ``extract_tensor_transport_metadata`` on raydirect's preparation
+    thread once the producer method has returned, so slow preparation (copies,
+    memory registration) never delays the method or the actor's next call; a
+    consumer that arrives first waits for it. Set it to False when extraction
+    must run on the method's own thread."""
 
     def tensor_transport_backend(self) -> str:
         """The transport's name."""
@@ -236,6 +244,7 @@ class ByteTransport(TensorTransportManager):
     """
 
     byte_transport = True
+    extract_in_background = False  # the built-ins' extraction is cheap, except nixl's
 
     def extract_tensor_transport_metadata(
         self, obj_id: Any, tensors: list[Any]

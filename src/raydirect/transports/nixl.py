@@ -113,6 +113,7 @@ class NixlTransport(ByteTransport):
     name = "nixl"
     one_sided = True
     devices = ("cpu", "cuda")
+    extract_in_background = True  # registration costs up to seconds on first use
 
     def __init__(self) -> None:
         self._lock = threading.RLock()

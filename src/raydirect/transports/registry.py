@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -222,15 +222,20 @@ def transport_instance(name: str) -> TensorTransportManager:
 def release_state(obj: StoredObject) -> None:
     """Let every transport that set something up for ``obj`` release it."""
     for name, meta in list(obj.transport_state.items()):
-        try:
-            transport = transport_instance(name)
-            if transport.byte_transport:
-                transport.garbage_collect(obj.obj_id, meta, obj.buffers)
-            else:
-                transport.garbage_collect(obj.obj_id.hex(), meta, obj.originals)
-        except Exception:
-            log.exception("raydirect: %s garbage_collect failed for %s", name, obj.obj_id.hex())
+        release_one(obj, name, meta)
     obj.transport_state.clear()
+
+
+def release_one(obj: StoredObject, name: str, meta: Any) -> None:
+    """Let transport ``name`` release what it set up for ``obj`` (described by ``meta``)."""
+    try:
+        transport = transport_instance(name)
+        if transport.byte_transport:
+            transport.garbage_collect(obj.obj_id, meta, obj.buffers)
+        else:
+            transport.garbage_collect(obj.obj_id.hex(), meta, obj.originals)
+    except Exception:
+        log.exception("raydirect: %s garbage_collect failed for %s", name, obj.obj_id.hex())
 
 
 def on_agent_start() -> None:
