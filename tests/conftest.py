@@ -10,6 +10,7 @@ import pytest
 import ray
 from ray import cloudpickle
 
+from raydirect._producer import INLINE_ENV
 from raydirect.transports.shm import sweep_dead_segments
 
 import actors
@@ -19,6 +20,11 @@ from plugin_transports import SHM_DIR, plugin_files
 # Workers cannot import the tests directory: ship the helper actors by value.
 cloudpickle.register_pickle_by_value(actors)
 
+# The tests exercise the direct paths with small values; ``auto`` would send
+# those inline with Ray's reply. tests/test_inline.py covers inlining itself.
+# Ray's workers (and the multi-node harness) inherit this environment.
+os.environ[INLINE_ENV] = "0"
+
 
 @pytest.fixture(scope="session")
 def ray_session():
@@ -27,7 +33,7 @@ def ray_session():
             num_cpus=16,
             include_dashboard=False,
             logging_level="warning",
-            runtime_env={"env_vars": {"RAYDIRECT_TEST": "1"}},
+            runtime_env={"env_vars": {"RAYDIRECT_TEST": "1", INLINE_ENV: "0"}},
         )
     yield
     ray.shutdown()

@@ -37,6 +37,20 @@ def _node_of(_actor: Any) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+# Actor id -> node id. An actor restarted on another node only makes a relay
+# choice worse (its readers then read across nodes), never wrong.
+_node_cache: dict[str, str] = {}
+
+
+def _nodes_of(actors: list[ActorHandle], timeout: float | None) -> list[str]:
+    ids = [_ray.actor_id_of(a) for a in actors]
+    unknown = {i: a for i, a in zip(ids, actors, strict=True) if i not in _node_cache}
+    if unknown:
+        found = ray.get([_ray.run_in_actor(a, _node_of) for a in unknown.values()], timeout=timeout)
+        _node_cache.update(zip(unknown, found, strict=True))
+    return [_node_cache[i] for i in ids]
+
+
 def _relay(_actor: Any, boxed: list[ray.ObjectRef], timeout: float | None) -> Any:
     from raydirect._api import get
 
@@ -62,7 +76,7 @@ def broadcast(
         deferred.active = False
     if not isinstance(value, PendingFetch) or len(actors) < 2:
         return [ref] * len(actors)  # nothing to share: every reader reads as usual
-    nodes = ray.get([_ray.run_in_actor(a, _node_of) for a in actors], timeout=timeout)
+    nodes = _nodes_of(actors, timeout)
     by_node: dict[str, list[int]] = {}
     for i, node in enumerate(nodes):
         by_node.setdefault(node, []).append(i)

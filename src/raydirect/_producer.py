@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import secrets
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -31,9 +32,28 @@ _AUTO_DEVICES = ("cpu", "cuda")
 # consumer without asking the producer (same-node reads, shared groups).
 _AUTO_EXTRACTED = {"cpu": ("cma", "gloo"), "cuda": ("cuda_ipc", "nccl")}
 
+INLINE_ENV = "RAYDIRECT_INLINE_BYTES"
+DEFAULT_INLINE_BYTES = 64 << 10
+
 _session: tuple[int, str] | None = None
 _preparation_pool: ThreadPoolExecutor | None = None
 log = logging.getLogger("raydirect")
+
+
+def inline_limit() -> int:
+    """Under ``auto``, values whose CPU tensors total at most this many bytes go
+    inline with Ray's reply (``RAYDIRECT_INLINE_BYTES``, default 64 KiB)."""
+    return int(os.environ.get(INLINE_ENV, DEFAULT_INLINE_BYTES))
+
+
+def _inline(metas: list[Any]) -> bool:
+    # Below a few tens of KiB a direct fetch costs more than the bytes: a lease,
+    # a round trip to the producer's agent. Ray inlines small replies (up to
+    # 100 KiB) in the task's own answer, so they arrive with no extra hop.
+    limit = inline_limit()
+    if limit <= 0:
+        return False
+    return all(m.device == "cpu" for m in metas) and sum(m.nbytes for m in metas) <= limit
 
 
 def _check_devices(transport: str, tensors: list[torch.Tensor], label: str) -> None:
@@ -113,7 +133,7 @@ def export(value: Any, transport: str, label: str | None = None) -> Any:
         plugin = None
     label = label or _ray.current_task_label()
     parts = split(value, only=plugin.data_type if plugin is not None else None)
-    if not parts.tensors:
+    if not parts.tensors or (transport == AUTO and _inline(parts.metas)):
         return value
     _check_devices(transport, parts.tensors, label)
     if len({t.device.type for t in parts.tensors}) > 1:
