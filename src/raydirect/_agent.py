@@ -287,8 +287,9 @@ _agent: Agent | None = None
 _agent_lock = threading.Lock()
 
 
-def agent() -> Agent:
-    """This process's agent, started on first use."""
+def agent(label: str | None = None) -> Agent:
+    """This process's agent, started on first use. ``label`` names the process in
+    ``raydirect status`` (default: the task running now)."""
     global _agent
     if _agent is None:
         with _agent_lock:
@@ -298,11 +299,11 @@ def agent() -> Agent:
 
                 on_agent_start()
                 _agent = Agent()
-                _announce(_agent)
+                _announce(_agent, label)
     return _agent
 
 
-def _announce(server: Agent) -> None:
+def _announce(server: Agent, label: str | None) -> None:
     """Publish this agent for ``raydirect status``; withdrawn at a clean exit."""
     key = f"{_ray.node_id()}/{PID}"
     info = {
@@ -310,7 +311,7 @@ def _announce(server: Agent) -> None:
         "pid": PID,
         "node_id": _ray.node_id(),
         "actor_id": _ray.current_actor_id(),
-        "label": _ray.current_task_label(),
+        "label": label or _ray.current_task_label(),
     }
     try:
         _ray.publish_agent(key, json.dumps(info).encode())

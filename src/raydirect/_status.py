@@ -35,22 +35,72 @@ def _human(n: int) -> str:
     return str(n)
 
 
+_COUNTS = (
+    ("held", "objects_held", "bytes_held"),
+    ("sent", "objects_sent", "bytes_sent"),
+    ("received", "objects_received", "bytes_received"),
+)
+
+
+def _transports(stats: dict[str, Any]) -> list[str]:
+    names: set[str] = set()
+    for _, objects, nbytes in _COUNTS:
+        names.update(stats.get(objects, {}), stats.get(nbytes, {}))
+    return sorted(names)
+
+
+def _cell(stats: dict[str, Any], objects: str, nbytes: str, transport: str) -> str:
+    n = stats.get(objects, {}).get(transport, 0)
+    return f"{n} / {_human(stats.get(nbytes, {}).get(transport, 0))}" if n else "-"
+
+
+def totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per transport, summed over every reachable process: the six counters."""
+    out: dict[str, dict[str, int]] = {}
+    for row in rows:
+        stats = row.get("stats")
+        if not stats:
+            continue
+        for _, objects, nbytes in _COUNTS:
+            for key in (objects, nbytes):
+                for transport, value in stats.get(key, {}).items():
+                    out.setdefault(transport, {})
+                    out[transport][key] = out[transport].get(key, 0) + value
+    return dict(sorted(out.items()))
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
-    lines = [f"{'process':<40} {'pid':>7} {'objects':>8} {'bytes':>11}  sent / received"]
+    """Per process: what it holds; under it, one line per transport with objects /
+    bytes held, sent and received. Then the same per transport for the cluster."""
+    head = f"{'process':<40} {'node':<15} {'pid':>7} {'objects':>8} {'bytes':>11}"
+    sub = f"    {'transport':<12} {'held':>20} {'sent':>20} {'received':>20}"
+    lines = [head, sub]
     for row in rows:
         name = row.get("label") or "?"
         if row.get("actor_id"):
             name = f"{name} [{row['actor_id'][:8]}]"
+        node = str(row.get("address", "")).removeprefix("tcp://").rsplit(":", 1)[0]
         stats = row["stats"]
         if stats is None:
-            lines.append(f"{name[:40]:<40} {row['pid']:>7}  unreachable (withdrawn)")
+            lines.append(f"{name[:40]:<40} {node:<15} {row['pid']:>7}  unreachable (withdrawn)")
             continue
-        sent = ", ".join(f"{k} {v}" for k, v in sorted(stats["objects_sent"].items())) or "-"
-        recv = ", ".join(f"{k} {v}" for k, v in sorted(stats["objects_received"].items())) or "-"
         lines.append(
-            f"{name[:40]:<40} {row['pid']:>7} {stats['num_objects']:>8} "
-            f"{_human(stats['num_bytes']):>11}  {sent} / {recv}"
+            f"{name[:40]:<40} {node:<15} {row['pid']:>7} {stats['num_objects']:>8} "
+            f"{_human(stats['num_bytes']):>11}"
         )
+        for transport in _transports(stats):
+            cells = [_cell(stats, o, b, transport) for _, o, b in _COUNTS]
+            lines.append(f"    {transport:<12} " + " ".join(f"{c:>20}" for c in cells))
     if not rows:
-        lines.append("(no process has used raydirect in this cluster yet)")
+        lines = ["(no process has used raydirect in this cluster yet)"]
+        return "\n".join(lines)
+    summed = totals(rows)
+    if summed:
+        lines += ["", "all processes, per transport (objects / bytes):", sub]
+        for transport, counts in summed.items():
+            cells = [
+                _cell({k: {transport: v} for k, v in counts.items()}, o, b, transport)
+                for _, o, b in _COUNTS
+            ]
+            lines.append(f"    {transport:<12} " + " ".join(f"{c:>20}" for c in cells))
     return "\n".join(lines)

@@ -39,6 +39,11 @@ class LocalStats:
     objects_received: dict[str, int]
     """Objects fetched from other processes (or this one, as ``local``), by transport."""
     bytes_received: dict[str, int]
+    objects_held: dict[str, int] = field(default_factory=dict)
+    """Objects held (``num_objects``), by the transport they were exported with
+    (``auto`` unless the method or ``put`` named one)."""
+    bytes_held: dict[str, int] = field(default_factory=dict)
+    """Tensor bytes held (``num_bytes``), by the transport they were exported with."""
 
 
 @dataclass(slots=True)
@@ -83,20 +88,34 @@ class Store:
         self._lock = threading.Condition()
         self._holders: Counter[int] = Counter()  # id(tensor) -> objects holding it
         self._nbytes = 0
+        self._held: Counter[str] = Counter()
+        self._held_bytes: Counter[str] = Counter()
         self._sent: Counter[str] = Counter()
         self._sent_bytes: Counter[str] = Counter()
         self._received: Counter[str] = Counter()
         self._received_bytes: Counter[str] = Counter()
         self._free_queue: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._reaper: threading.Thread | None = None
+        self._metrics_started = False
+
+    def _start_metrics(self) -> None:
+        # Lazily, on the first object or transfer: only processes that use raydirect
+        # export metrics, and only once they are connected to Ray.
+        from raydirect import _metrics
+
+        self._metrics_started = _metrics.start(self.stats)
 
     # -- producer side
     def add(self, obj: StoredObject) -> None:
         with self._lock:
             self._objects[obj.obj_id] = obj
             self._nbytes += obj.nbytes
+            self._held[obj.transport] += 1
+            self._held_bytes[obj.transport] += obj.nbytes
             for original in obj.originals:
                 self._holders[id(original)] += 1
+        if not self._metrics_started:
+            self._start_metrics()
 
     def get(self, obj_id: bytes) -> StoredObject | None:
         with self._lock:
@@ -127,6 +146,8 @@ class Store:
             if obj is None:
                 return
             self._nbytes -= obj.nbytes
+            self._held[obj.transport] -= 1
+            self._held_bytes[obj.transport] -= obj.nbytes
         with obj.lock:  # a preparation finishing from now on releases its own state
             obj.freed = True
         from raydirect.transports.registry import release_state
@@ -168,11 +189,15 @@ class Store:
         with self._lock:
             self._sent[transport] += 1
             self._sent_bytes[transport] += nbytes
+        if not self._metrics_started:
+            self._start_metrics()
 
     def count_received(self, transport: str, nbytes: int) -> None:
         with self._lock:
             self._received[transport] += 1
             self._received_bytes[transport] += nbytes
+        if not self._metrics_started:
+            self._start_metrics()
 
     def stats(self) -> LocalStats:
         with self._lock:
@@ -183,6 +208,8 @@ class Store:
                 bytes_sent=dict(self._sent_bytes),
                 objects_received=dict(self._received),
                 bytes_received=dict(self._received_bytes),
+                objects_held={k: v for k, v in self._held.items() if v},
+                bytes_held={k: v for k, v in self._held_bytes.items() if self._held[k]},
             )
 
 

@@ -20,11 +20,14 @@ def _demo(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     import ray
 
-    from raydirect._status import collect, format_table
+    from raydirect._status import collect, format_table, totals
 
     ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
     rows = collect()
-    print(json.dumps(rows, indent=2) if args.json else format_table(rows))
+    if args.json:
+        print(json.dumps({"processes": rows, "transports": totals(rows)}, indent=2))
+    else:
+        print(format_table(rows))
     return 0
 
 
@@ -46,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="move tensors over every transport on an embedded Ray")
     demo.add_argument("--quick", action="store_true", help="smaller sizes, fewer repeats")
     demo.set_defaults(func=_demo)
-    status = sub.add_parser("status", help="objects and bytes held per process in a cluster")
+    status = sub.add_parser(
+        "status",
+        help="objects and bytes held, sent and received per process and transport in a cluster",
+    )
     status.add_argument("--address", default="auto", help="Ray cluster address (default: auto)")
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.set_defaults(func=_status)
