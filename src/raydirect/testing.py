@@ -120,6 +120,8 @@ def mismatch(got: Any, want: Any, path: str = "value") -> str | None:
 
 
 def check(case: str, got: Any, data_type: type = torch.Tensor) -> str | None:
+    """What is wrong with ``got`` as the value of ``case`` (``None`` if it arrived
+    exactly), including tensors that were one tensor and arrived as several."""
     problem = mismatch(got, make_value(case, data_type))
     if (
         problem is None
