@@ -132,9 +132,9 @@ def _run(stats: Callable[[], LocalStats], label: str) -> None:
     tick = threading.Event()  # never set: the thread lives as long as the process
     while True:
         try:
-            if exporter is None and ray.is_initialized():
-                exporter = Exporter()
-            if exporter is not None:
+            # A driver may shut Ray down and connect again: export only while connected.
+            if ray.is_initialized():
+                exporter = exporter or Exporter()
                 exporter.export(stats())
         except Exception:  # metrics are a convenience: never let them take a process down
             failures += 1
