@@ -260,6 +260,14 @@ class Agent:
         """Metadata prepared in the background, once ready (the consumer waits for it)."""
         name = str(request.get("transport", ""))
         future = obj.preparing.get(name)
+        if future is None and request.get("prepare"):
+            from raydirect._producer import prepare_on_request
+
+            try:
+                future = prepare_on_request(obj, name)
+            except Exception as exc:
+                reply.send({"ok": False, "kind": "transfer", "error": f"{name}: {exc}"})
+                return
         if future is None:
             error = f"nothing prepared for {name}"
             reply.send({"ok": False, "kind": "bad_request", "error": error})

@@ -124,8 +124,10 @@ def run_demo(quick: bool = False) -> int:
             f"it still holds {stats.num_objects}."
         )
         print(
-            "\nNext: decorate your own producer method with @rd.method and pass the ref on;"
-            " see examples/ and `raydirect bench` for the full comparison."
+            "\nNext: decorate your own producer method with @rd.method and pass the ref on"
+            " (examples/quickstart.py); trainer -> rollouts weight sync with rd.broadcast and"
+            " into=: examples/weight_sync.py; the full comparison with Ray's RDT:"
+            " `raydirect bench`."
         )
         return 0
     finally:

@@ -9,8 +9,11 @@ below it only move bytes.
   same node, cpu    -> ``cma`` (one copy straight from the producer's memory);
                        ``shm`` where the kernel refuses cross-memory reads
   same node, cuda   -> ``cuda_ipc``
-  other node        -> a collective group both processes are in (``gloo`` for
-                       cpu, ``nccl`` for cuda), else ``tcp``
+  other node        -> ``nixl`` when both processes have NIXL installed (the
+                       producer registers the object's memory when first asked),
+                       else a collective group both are in (``gloo`` for cpu,
+                       ``nccl`` for cuda), else ``tcp``; a producer whose nixl
+                       read fails is read over the next choice from then on
 A declared same-node transport read from another node, and a two-sided
 transport read outside the producer's group (the driver, a non-member), fall
 back to ``tcp``, logged once per process.
@@ -49,6 +52,8 @@ _SAME_NODE_CUDA = "cuda_ipc"
 _CROSS_NODE = "tcp"
 
 _refused_cma: set[tuple[str, int]] = set()  # (node id, pid) of producers cma cannot read
+_refused_nixl: set[tuple[str, int]] = set()  # ... and those nixl failed to read
+_CROSS_NODE_ENGINE = "nixl"
 _logged_fallbacks: set[str] = set()
 _lock = threading.Lock()
 
@@ -108,11 +113,23 @@ def _choose_auto(payload: Payload, same_node: bool) -> str:
         if (producer.node_id, producer.pid) in _refused_cma:
             return _SAME_NODE_FALLBACK
         return _SAME_NODE
+    if (
+        _CROSS_NODE_ENGINE in producer.transports
+        and (producer.node_id, producer.pid) not in _refused_nixl
+        and _nixl_installed()
+    ):
+        return _CROSS_NODE_ENGINE
     backend = "nccl" if cuda else "gloo"  # a group both are in, if any
     groups = payload.transport_meta.get(backend)
     if groups is not None and transport_instance(backend).reachable(groups):
         return backend
     return _CROSS_NODE
+
+
+def _nixl_installed() -> bool:
+    from raydirect.transports.nixl import installed
+
+    return installed()
 
 
 def _log_fallback_once(wanted: str, why: str) -> None:
@@ -156,6 +173,29 @@ def fetch_tensors(
     name = choose_transport(payload, forced)
     if not transport_class(name).byte_transport:
         return _fill(_receive_plugin(name, payload, deadline), into)
+    if name == _CROSS_NODE_ENGINE and (forced or payload.transport) == AUTO:
+        try:
+            return _receive_bytes(name, payload, deadline, forced, into)
+        except (TransferError, TransportUnavailableError, ImportError) as exc:
+            with _lock:
+                _refused_nixl.add((producer.node_id, producer.pid))
+            log.warning(
+                "raydirect: nixl could not read from %s (%s); reading it over the next choice",
+                producer.describe(),
+                exc,
+            )
+            name = choose_transport(payload, forced)
+    return _receive_bytes(name, payload, deadline, forced, into)
+
+
+def _receive_bytes(
+    name: str,
+    payload: Payload,
+    deadline: float | None,
+    forced: str | None,
+    into: dict[int, Any],
+) -> list[Any]:
+    producer = payload.producer
     comm = PeerMetadata(producer, payload.capability, deadline)
     metas = payload.metas
     missing = [i for i in range(len(metas)) if i not in into]
@@ -209,14 +249,25 @@ def _transport_meta(payload: Payload, name: str, deadline: float | None) -> Any:
     """What transport ``name`` extracted for ``payload``, asking the producer's
     agent (and waiting) when it is still being prepared in the background."""
     meta = payload.transport_meta.get(name)
-    if meta != PREPARING:
+    on_request = name not in payload.transport_meta and _prepared_on_request(name)
+    if meta != PREPARING and not on_request:
         return meta
-    header = {"obj": payload.obj_id.hex(), "cap": payload.capability.hex(), "transport": name}
+    header: dict[str, Any] = {
+        "obj": payload.obj_id.hex(),
+        "cap": payload.capability.hex(),
+        "transport": name,
+        "prepare": on_request,
+    }
     meta = _agent.prepared_metadata(
         payload.producer.agent_address, header, deadline, payload.producer.describe()
     )
     payload.transport_meta[name] = meta  # once per rebuilt Payload
     return meta
+
+
+def _prepared_on_request(name: str) -> bool:
+    cls = transport_class(name)
+    return cls.byte_transport and cls.extract_in_background
 
 
 def _receive_plugin(name: str, payload: Payload, deadline: float | None) -> list[Any]:

@@ -41,6 +41,8 @@ class ProducerInfo:
     start_time: int  # process start time in clock ticks: tells a reused pid apart
     process_token: bytes  # random per process: "same process" test
     label: str  # Class.method / task name, for messages
+    # Optional transports this process can serve on request (``auto`` across nodes).
+    transports: tuple[str, ...] = ()
 
     def describe(self) -> str:
         host = self.agent_address.removeprefix("tcp://").rsplit(":", 1)[0]

@@ -115,6 +115,30 @@ def _prepared(obj: StoredObject, name: str, future: Future[Any]) -> None:
     release_one(obj, name, meta)  # freed while it was being prepared
 
 
+@functools.cache
+def _served_on_request() -> tuple[str, ...]:
+    from raydirect.transports import nixl
+
+    return ("nixl",) if nixl.installed() else ()
+
+
+def prepare_on_request(obj: StoredObject, name: str) -> Future[Any]:
+    """Start (once) preparing ``obj`` for byte transport ``name``, which a
+    consumer asked for: ``auto`` objects carry no metadata for such transports."""
+    transport = transport_instance(name)
+    if not (transport.byte_transport and transport.extract_in_background):
+        raise ValueError(f"{name!r} is not prepared on request")
+    with obj.lock:
+        if obj.freed:
+            raise ValueError("the object was freed")
+        future = obj.preparing.get(name)
+        if future is None:
+            future = _preparer().submit(_extra, transport, obj.obj_id, obj.buffers)
+            obj.preparing[name] = future
+            future.add_done_callback(functools.partial(_prepared, obj, name))
+    return future
+
+
 def _preparer() -> ThreadPoolExecutor:
     # One thread: preparations run in the order objects were made, never in
     # the producer's own method thread.
@@ -196,6 +220,7 @@ def export(value: Any, transport: str, label: str | None = None) -> Any:
         start_time=_agent.START_TIME,
         process_token=_agent.PROCESS_TOKEN,
         label=label,
+        transports=_served_on_request(),
     )
     return Payload(
         obj_id=obj_id,

@@ -226,7 +226,7 @@ def status_rows(address: str) -> list[dict]:
     )
     if proc.returncode != 0:
         raise RuntimeError(f"raydirect status failed: {proc.stderr[-2000:]}")
-    return json.loads(proc.stdout)
+    return json.loads(proc.stdout)["processes"]
 
 
 def scenario_transfers(address: str) -> dict[str, Any]:

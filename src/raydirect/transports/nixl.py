@@ -29,7 +29,9 @@ export of a registered tensor 3 ms. Details and the command: docs/nixl.md.
 from __future__ import annotations
 
 import base64
+import functools
 import importlib
+import importlib.util
 import logging
 import threading
 import time
@@ -75,6 +77,12 @@ def _nixl_api() -> Any:
                     f"({'; '.join(errors)}). Install it with: {INSTALL_HINT}"
                 )
         return _api
+
+
+@functools.cache
+def installed() -> bool:
+    """Whether NIXL can be imported here, found without importing it (cheap)."""
+    return any(importlib.util.find_spec(name.split(".")[0]) is not None for name in _MODULES)
 
 
 def available() -> bool:
