@@ -48,7 +48,7 @@ THP_ENV = {THP_ENV_VAR: "1"}
 
 # System names shared by the workloads, the table and the ratios.
 OBJECT_STORE = "ray object store"
-PLAIN_CALL = "ray actor call (no raydirect)"
+PLAIN_CALL = "ray actor call"  # a plain method, no raydirect: the value inline in the reply
 RDT_GLOO = "ray RDT gloo"
 RDT_NIXL = "ray RDT nixl"
 FLOOR_FRESH = "floor: copy into fresh torch.empty"

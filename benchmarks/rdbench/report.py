@@ -58,6 +58,15 @@ def _ratio(row: Row, baseline: Row | None) -> str:
     return f"{mine / base:.2f}x"
 
 
+def _short(reason: str, limit: int = 240) -> str:
+    """A reason cut to its first sentences within ``limit`` characters (the JSON
+    keeps it whole)."""
+    if len(reason) <= limit:
+        return reason
+    cut = reason.rfind(". ", 0, limit)
+    return reason[: cut + 1] if cut > limit // 2 else reason[:limit] + "..."
+
+
 def render_table(workload: Workload, rows: Sequence[Row]) -> str:
     """A markdown table: text columns left-aligned, numbers right-aligned; a row
     that failed or cannot run here reads ``n/a: <reason>`` across the numbers."""
@@ -79,7 +88,10 @@ def render_table(workload: Workload, rows: Sequence[Row]) -> str:
     lines: list[list[str]] = []
     for row in rows:
         if row.error is not None or row.skipped is not None:
-            why = f"n/a: {row.error}" if row.error is not None else f"n/a (skipped): {row.skipped}"
+            if row.error is not None:
+                why = f"n/a: {_short(row.error)}"
+            else:
+                why = f"n/a (skipped): {_short(row.skipped or '')}"
             lines.append([row.param, row.system, why])
             continue
         vals = row.values()

@@ -9,24 +9,16 @@ not supported by that system) is a row with ``skipped`` set and a reason.
 
 from __future__ import annotations
 
-import importlib.util
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import ray
 import torch
 
 import raydirect as rd
-from rdbench.actors import (
-    RAYDIRECT_TRANSPORTS,
-    RECEIVERS,
-    Consumer,
-    Producer,
-    RdtConsumer,
-    RdtProducer,
-)
+from rdbench.actors import RAYDIRECT_TRANSPORTS, RECEIVERS
 from rdbench.common import (
     DTYPE,
     ELEMENT_BYTES,
@@ -58,171 +50,19 @@ from rdbench.common import (
     seeds,
     state_dict_layout,
 )
+from rdbench.fleet import (
+    PRODUCERS_W4,
+    Context,
+    allocate,
+    raydirect_nixl_missing,
+    rdt_nixl_missing,
+    rdt_ready,
+    skip,
+)
 
-RAYDIRECT_GROUP = "bench-raydirect"
 FLOOR_TORCH_THREADS = 1  # Ray workers run torch with one thread; the floors do too
 SMALL_BYTES = 4 * KIB
-PRODUCERS_W4 = 4
 REFS_PER_PRODUCER_W4 = 2
-
-
-@dataclass
-class Config:
-    """What to run (from the command line)."""
-
-    workloads: list[int]
-    groups: list[str]
-    sizes: list[int]  # workload 1
-    repeats: Callable[[int], int]  # timed repeats after the cold one, by bytes moved
-    state_bytes: int  # workload 2
-    consumers: list[int]  # workload 2
-    round_trips: int  # workload 3
-    part_bytes: int  # workload 4, per ref
-    driver_bytes: int  # workload 5
-
-    def wants(self, group: str) -> bool:
-        return group in self.groups
-
-
-def raydirect_nixl_missing() -> str | None:
-    """Why raydirect's ``nixl`` transport cannot run here, or None."""
-    from raydirect.transports import nixl
-
-    return None if nixl.available() else f"NIXL not installed: {nixl.INSTALL_HINT}"
-
-
-def rdt_nixl_missing() -> str | None:
-    """Why Ray's RDT over NIXL cannot run here, or None: Ray imports ``nixl._api``."""
-    if importlib.util.find_spec("nixl") is None:
-        return (
-            "Ray's RDT nixl needs the `nixl` python package (it imports nixl._api), "
-            "not installed: pip install nixl"
-        )
-    return None
-
-
-@dataclass
-class Context:
-    """The configuration, the run's seeds, and the actors shared by the workloads:
-    all started at once by ``start`` in the one Ray session, killed by ``close``."""
-
-    config: Config
-    seed_iter: Iterator[int] = field(default_factory=seeds)
-    _producers: list[Any] = field(default_factory=list)
-    _consumers: list[Any] = field(default_factory=list)
-    _rdt_actors: list[Any] = field(default_factory=list)  # producer, then consumers
-    _rdt_group: Any = None
-    _rd_group: bool = False
-
-    def start(self) -> None:
-        """Start every actor the chosen workloads need at once: each takes seconds
-        to import torch, and in parallel those seconds overlap."""
-        cfg = self.config
-        consumers = max(cfg.consumers) if 2 in cfg.workloads else 1
-        if cfg.wants(GROUP_RDT) and set(cfg.workloads) & {1, 2, 3, 5}:
-            log(f"starting RDT's producer and {consumers} consumer(s)")
-            self._rdt_actors = [RdtProducer.remote()]
-            self._rdt_actors += [RdtConsumer.remote() for _ in range(consumers)]
-        if cfg.wants(GROUP_RAYDIRECT) or cfg.wants(GROUP_RAY):
-            producers = PRODUCERS_W4 if 4 in cfg.workloads else 1
-            self.producers(producers, wait=False)
-            self.consumers(consumers, wait=False)
-        actors = [*self._producers, *self._consumers, *self._rdt_actors]
-        ray.get([a.__ray_ready__.remote() for a in actors], timeout=SETUP_TIMEOUT_S)
-
-    def _grow(self, actors: list[Any], cls: Any, n: int, what: str, wait: bool) -> list[Any]:
-        if len(actors) < n:
-            log(f"starting {n - len(actors)} {what}")
-            new = [cls.remote() for _ in range(n - len(actors))]
-            actors += new
-            if wait:
-                ray.get([a.__ray_ready__.remote() for a in new], timeout=SETUP_TIMEOUT_S)
-        return actors[:n]
-
-    def producers(self, n: int, wait: bool = True) -> list[Any]:
-        """raydirect + plain-Ray producers (``actors.Producer``)."""
-        return self._grow(self._producers, Producer, n, "producer(s)", wait)
-
-    def consumers(self, n: int, wait: bool = True) -> list[Any]:
-        return self._grow(self._consumers, Consumer, n, "consumer(s)", wait)
-
-    def raydirect_pair(self) -> tuple[Any, Any]:
-        """Producer 0 and consumer 0, in one raydirect Gloo group (for ``gloo``)."""
-        producer, consumer = self.producers(1)[0], self.consumers(1)[0]
-        if not self._rd_group:
-            rd.create_collective_group([producer, consumer], backend="gloo", name=RAYDIRECT_GROUP)
-            self._rd_group = True
-        return producer, consumer
-
-    def rdt(self) -> tuple[Any, list[Any]]:
-        """RDT's producer and consumers, all in one Ray collective group (torch_gloo):
-        as many consumers as weight sync needs, or one."""
-        if not self._rdt_actors:
-            raise RuntimeError("RDT actors were not started (Context.start)")
-        if self._rdt_group is None:
-            from ray.experimental.collective import create_collective_group
-
-            log(f"RDT: creating the collective group of {len(self._rdt_actors)} actors")
-            ray.get([a.__ray_ready__.remote() for a in self._rdt_actors], timeout=SETUP_TIMEOUT_S)
-            self._rdt_group = create_collective_group(self._rdt_actors, backend="torch_gloo")
-        return self._rdt_actors[0], self._rdt_actors[1:]
-
-    def release(self) -> None:
-        """Drop every producer's tensors (between workloads)."""
-        producers = [*self._producers, *self._rdt_actors[:1]]
-        try:
-            ray.get([p.release.remote() for p in producers], timeout=SETUP_TIMEOUT_S)
-        except Exception as exc:
-            log(f"releasing producers' tensors failed: {describe_error(exc)}")
-
-    def close(self) -> None:
-        if self._producers:
-            try:
-                log(f"raydirect producer 0 stats: {ray.get(self._producers[0].stats.remote())}")
-            except Exception as exc:
-                log(f"raydirect stats unavailable: {describe_error(exc)}")
-        if self._rd_group:
-            rd.destroy_collective_group(RAYDIRECT_GROUP)
-        if self._rdt_group is not None:
-            from ray.experimental.collective import destroy_collective_group
-
-            try:
-                destroy_collective_group(self._rdt_group)
-            except Exception as exc:  # e.g. RDT already tore it down after a failure
-                log(f"RDT: destroy_collective_group: {describe_error(exc)}")
-        for actor in [*self._producers, *self._consumers, *self._rdt_actors]:
-            ray.kill(actor)
-
-
-def _rdt_ready(ctx: Context, rows: Sequence[Row]) -> tuple[Any, list[Any]] | None:
-    """RDT's actors, or None after marking ``rows`` failed with the reason."""
-    try:
-        return ctx.rdt()
-    except Exception as exc:
-        reason = f"RDT setup failed: {describe_error(exc)}"
-        log(reason)
-        for row in rows:
-            row.error = reason
-        return None
-
-
-def _allocate(producers: Sequence[Any], layout: Layout, rows: Sequence[Row]) -> bool:
-    try:
-        ray.get([p.allocate.remote(layout) for p in producers], timeout=SETUP_TIMEOUT_S)
-        return True
-    except Exception as exc:
-        reason = f"producer setup failed: {describe_error(exc)}"
-        log(reason)
-        for row in rows:
-            row.error = reason
-        return False
-
-
-def _skip(row: Row, reason: str | None) -> bool:
-    if reason:
-        row.skipped = reason
-        log(f"w{row.workload} {row.system} @ {row.param}: skipped: {reason}")
-    return bool(reason)
 
 
 # ---------------------------------------------------------------- 1: actor -> actor
@@ -242,10 +82,10 @@ def actor_to_actor(ctx: Context) -> list[Row]:
 
     def pair_rows(producer: Any, consumer: Any, systems: list[tuple[Row, Any, str | None]]) -> None:
         nbytes = systems[0][0].nbytes
-        if not _allocate([producer], {"x": (nbytes // ELEMENT_BYTES,)}, [s[0] for s in systems]):
+        if not allocate([producer], {"x": (nbytes // ELEMENT_BYTES,)}, [s[0] for s in systems]):
             return
         for row, make, missing in systems:
-            if _skip(row, missing):
+            if skip(row, missing):
                 continue
 
             def transfer(seed: int, make: Any = make) -> float:
@@ -285,7 +125,7 @@ def actor_to_actor(ctx: Context) -> list[Row]:
             pair_rows(producer, consumer, [(row(OBJECT_STORE, n), producer.one.remote, None)])
     if cfg.wants(GROUP_RDT):
         rdt_rows = {n: (row(RDT_GLOO, n), row(RDT_NIXL, n)) for n in sizes}
-        actors = _rdt_ready(ctx, [r for pair in rdt_rows.values() for r in pair])
+        actors = rdt_ready(ctx, [r for pair in rdt_rows.values() for r in pair])
         if actors:
             producer, consumer = actors[0], actors[1][0]
 
@@ -391,16 +231,16 @@ def weight_sync(ctx: Context) -> list[Row]:
         missing = spec.missing()
         if missing:
             for r in family:
-                _skip(r, missing)
+                skip(r, missing)
             continue
         if spec.rdt:
-            actors = _rdt_ready(ctx, family)
+            actors = rdt_ready(ctx, family)
             if actors is None:
                 continue
             producer, consumers = actors
         else:
             producer, consumers = ctx.producers(1)[0], ctx.consumers(max(cfg.consumers))
-        if not _allocate([producer], layout, family):
+        if not allocate([producer], layout, family):
             continue
         for row, n in zip(family, cfg.consumers, strict=True):
             sync = _sync_operation(spec, producer, consumers[:n], layout, cfg.state_bytes)
@@ -482,10 +322,10 @@ def small_objects(ctx: Context) -> list[Row]:
             continue
         row = Row(3, spec.system, param, SMALL_BYTES, SMALL_BYTES, unit="us")
         rows.append(row)
-        if _skip(row, spec.missing()):
+        if skip(row, spec.missing()):
             continue
         if spec.group == GROUP_RDT:
-            actors = _rdt_ready(ctx, [row])
+            actors = rdt_ready(ctx, [row])
             if actors is None:
                 continue
             producer, consumer = actors[0], actors[1][0]
@@ -509,7 +349,11 @@ def small_objects(ctx: Context) -> list[Row]:
         except Exception as exc:
             reason = describe_error(exc)
             if spec.group == GROUP_RDT and "does not have tensor transport" in reason:
-                _skip(row, f"an actor cannot call an RDT method; Ray says {reason}")
+                skip(
+                    row,
+                    "an actor cannot call an RDT Gloo method (Ray looks the group up in "
+                    f"the caller, and only the driver that created it knows it): {reason}",
+                )
             else:
                 row.error = reason
                 log(f"{where}: FAILED: {row.error}")
@@ -572,7 +416,7 @@ def many_refs(ctx: Context) -> list[Row]:
     family = [Row(4, s[0], param, nbytes, nbytes * refs) for s in chosen]
     rows += family
     producers, consumer = ctx.producers(PRODUCERS_W4), ctx.consumers(1)[0]
-    if not _allocate(producers, layout, family):
+    if not allocate(producers, layout, family):
         return rows
     for row, (_, _, method, how) in zip(family, chosen, strict=True):
 
@@ -647,21 +491,21 @@ def to_driver(ctx: Context) -> list[Row]:
             (OBJECT_STORE, GROUP_RAY, "one", ray_get),
         ]
         chosen = [(row(s), m, r) for s, g, m, r in wanted if cfg.wants(g)]
-        if _allocate([producer], layout, [c[0] for c in chosen]):
+        if allocate([producer], layout, [c[0] for c in chosen]):
             for r, method, read in chosen:
                 measure(r, producer, lambda m=method: getattr(producer, m).remote("x"), read)
     if cfg.wants(GROUP_RDT):
         gloo = row(RDT_GLOO)
         fallback = row(RDT_GLOO + ", _use_object_store=True")
         nixl = row(RDT_NIXL)
-        actors = _rdt_ready(ctx, [gloo, fallback, nixl])
-        if actors and _allocate([actors[0]], layout, [gloo, fallback, nixl]):
+        actors = rdt_ready(ctx, [gloo, fallback, nixl])
+        if actors and allocate([actors[0]], layout, [gloo, fallback, nixl]):
             producer = actors[0]
             refusal = rdt_driver_refusal(producer)
             if refusal is None:
                 measure(gloo, producer, lambda: producer.one.remote("x"), ray_get)
             elif "two-sided" in refusal:  # by design: say so, do not count it as a failure
-                _skip(gloo, f"RDT cannot deliver a Gloo object to the driver; Ray says {refusal}")
+                skip(gloo, f"RDT cannot deliver a Gloo object to the driver; Ray says {refusal}")
             else:
                 gloo.error = refusal
             measure(
@@ -670,7 +514,7 @@ def to_driver(ctx: Context) -> list[Row]:
                 lambda: producer.one.remote("x"),
                 lambda ref: ray.get(ref, timeout=TRANSFER_TIMEOUT_S, _use_object_store=True),
             )
-            if not _skip(nixl, rdt_nixl_missing()):
+            if not skip(nixl, rdt_nixl_missing()):
                 make = producer.one.options(tensor_transport="nixl").remote
                 measure(nixl, producer, lambda: make("x"), ray_get)
     ctx.release()
