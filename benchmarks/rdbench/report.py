@@ -47,7 +47,9 @@ def order_rows(rows: Sequence[Row]) -> list[Row]:
 def _fmt(value: float | None, unit: str) -> str:
     if value is None:
         return "-"
-    return f"{value:.0f}" if unit == "us" else f"{value:.2f}"
+    if unit == "us":
+        return f"{value:.0f}"
+    return f"{value:.2f}" if value >= 0.1 else f"{value:.2g}"  # 4 KiB moves at ~0.0005 GB/s
 
 
 def _ratio(row: Row, baseline: Row | None) -> str:
@@ -104,7 +106,8 @@ def render_table(workload: Workload, rows: Sequence[Row]) -> str:
         ]
         if unit != "us":
             times = sorted(row.times_s)
-            cells.append(f"{times[len(times) // 2] * 1e3:.1f}" if times else "-")
+            ms = times[len(times) // 2] * 1e3 if times else None
+            cells.append("-" if ms is None else f"{ms:.1f}" if ms >= 1 else f"{ms:.2g}")
         cells += [_ratio(row, by_key.get((b, row.param))) for b in workload.baselines]
         lines.append(cells)
     # An n/a message sets no column width: its row is left unaligned.
