@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,8 +106,8 @@ def render_table(workload: Workload, rows: Sequence[Row]) -> str:
             _fmt(row.cold_value(), unit),
         ]
         if unit != "us":
-            times = sorted(row.times_s)
-            ms = times[len(times) // 2] * 1e3 if times else None
+            times = row.times_s
+            ms = statistics.median(times) * 1e3 if times else None
             cells.append("-" if ms is None else f"{ms:.1f}" if ms >= 1 else f"{ms:.2g}")
         cells += [_ratio(row, by_key.get((b, row.param))) for b in workload.baselines]
         lines.append(cells)
