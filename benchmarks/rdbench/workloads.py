@@ -9,6 +9,7 @@ not supported by that system) is a row with ``skipped`` set and a reason.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -77,7 +78,7 @@ def actor_to_actor(ctx: Context) -> list[Row]:
     task, the bytes moving into a receive buffer, and the check. Rows: every
     raydirect transport, Ray's object store, RDT over Gloo (and NIXL), and two
     in-process copy floors."""
-    cfg, rows = ctx.config, []
+    cfg, rows = ctx.config, list[Row]()
     sizes = cfg.sizes
 
     def pair_rows(producer: Any, consumer: Any, systems: list[tuple[Row, Any, str | None]]) -> None:
@@ -217,7 +218,7 @@ def weight_sync(ctx: Context) -> list[Row]:
     from the driver: the producer's call returning the ref, every consumer's
     ``load`` receiving the state dict and checking each tensor, until the last
     consumer is done. GB/s counts the bytes delivered: state size x consumers."""
-    cfg, rows = ctx.config, []
+    cfg, rows = ctx.config, list[Row]()
     layout = state_dict_layout(cfg.state_bytes)
     log(f"w2: state dict of {len(layout)} tensors, {format_size(cfg.state_bytes)}")
     for spec in WEIGHT_SYNC_SYSTEMS:
@@ -315,7 +316,7 @@ def small_objects(ctx: Context) -> list[Row]:
     them, so an actor cannot call an RDT Gloo method: the ``via the driver`` rows
     time what can run for every system, the driver calling the producer and
     passing the ref to ``consumer.consume`` (one more hop per round trip)."""
-    cfg, rows = ctx.config, []
+    cfg, rows = ctx.config, list[Row]()
     param = format_size(SMALL_BYTES)
     for spec in SMALL_SYSTEMS:
         if not cfg.wants(spec.group):
@@ -400,11 +401,11 @@ def many_refs(ctx: Context) -> list[Row]:
     (fetches run concurrently), the same refs read with ``ray.get`` (raydirect
     fetches each as Ray rebuilds it, one after the other), and Ray's object
     store read with ``ray.get``."""
-    cfg, rows = ctx.config, []
+    cfg, rows = ctx.config, list[Row]()
     nbytes = cfg.part_bytes
     refs = PRODUCERS_W4 * REFS_PER_PRODUCER_W4
     param = f"{refs} x {format_size(nbytes)}"
-    layout = {f"part{j}": (nbytes // ELEMENT_BYTES,) for j in range(REFS_PER_PRODUCER_W4)}
+    layout: Layout = {f"part{j}": (nbytes // ELEMENT_BYTES,) for j in range(REFS_PER_PRODUCER_W4)}
     systems = [
         (raydirect_system("auto") + ", rd.get", GROUP_RAYDIRECT, "one_auto", "rd.get"),
         (raydirect_system("auto") + ", ray.get", GROUP_RAYDIRECT, "one_auto", "ray.get"),
@@ -454,10 +455,10 @@ def to_driver(ctx: Context) -> list[Row]:
     RDT over Gloo (Ray refuses ``ray.get`` of a two-sided RDT object; the row says
     so, and ``ray.get(..., _use_object_store=True)``, its fallback through the
     object store, is measured as its own row) and RDT over NIXL (one-sided)."""
-    cfg, rows = ctx.config, []
+    cfg, rows = ctx.config, list[Row]()
     nbytes = cfg.driver_bytes
     param = format_size(nbytes)
-    layout = {"x": (nbytes // ELEMENT_BYTES,)}
+    layout: Layout = {"x": (nbytes // ELEMENT_BYTES,)}
 
     def measure(
         row: Row, producer: Any, make: Callable[[], Any], read: Callable[[Any], Any]
@@ -493,7 +494,8 @@ def to_driver(ctx: Context) -> list[Row]:
         chosen = [(row(s), m, r) for s, g, m, r in wanted if cfg.wants(g)]
         if allocate([producer], layout, [c[0] for c in chosen]):
             for r, method, read in chosen:
-                measure(r, producer, lambda m=method: getattr(producer, m).remote("x"), read)
+                make = getattr(producer, method).remote
+                measure(r, producer, functools.partial(make, "x"), read)
     if cfg.wants(GROUP_RDT):
         gloo = row(RDT_GLOO)
         fallback = row(RDT_GLOO + ", _use_object_store=True")
@@ -512,13 +514,18 @@ def to_driver(ctx: Context) -> list[Row]:
                 fallback,
                 producer,
                 lambda: producer.one.remote("x"),
-                lambda ref: ray.get(ref, timeout=TRANSFER_TIMEOUT_S, _use_object_store=True),
+                via_object_store,
             )
             if not skip(nixl, rdt_nixl_missing()):
                 make = producer.one.options(tensor_transport="nixl").remote
                 measure(nixl, producer, lambda: make("x"), ray_get)
     ctx.release()
     return rows
+
+
+def via_object_store(ref: Any) -> Any:
+    """RDT's fallback: ``ray.get`` through the object store."""
+    return ray.get(ref, timeout=TRANSFER_TIMEOUT_S, _use_object_store=True)  # type: ignore[call-overload]
 
 
 def rdt_driver_refusal(producer: Any) -> str | None:
