@@ -232,12 +232,22 @@ class CheckingConsumer:
         return self._buffers[key]
 
     def round_trips(
-        self, producer: Any, method: str, how: str, count: int, numel: int, seed0: int
+        self,
+        producer: Any,
+        method: str,
+        how: str,
+        count: int,
+        numel: int,
+        seed0: int,
+        tensor_transport: str | None = None,
     ) -> list[float]:
-        """Small objects: ``count`` times call ``producer.<method>(seed, numel)``, read
-        the ref (``how``: ``ray.get`` or ``rd.get``), check it. Returns each round
-        trip's seconds."""
-        call = getattr(producer, method).remote
+        """Small objects: ``count`` times call ``producer.<method>(seed, numel)`` (with
+        ``.options(tensor_transport=...)`` if given: RDT), read the ref (``how``:
+        ``ray.get`` or ``rd.get``), check it. Returns each round trip's seconds."""
+        bound = getattr(producer, method)
+        if tensor_transport is not None:
+            bound = bound.options(tensor_transport=tensor_transport)
+        call = bound.remote
         read = rd.get if how == "rd.get" else ray.get
         times = []
         for i in range(count):

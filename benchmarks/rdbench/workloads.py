@@ -339,11 +339,11 @@ def small_objects(ctx: Context) -> list[Row]:
             if spec.driver:
                 times = _driver_round_trips(producer, consumer, spec.method, cfg.round_trips, seed0)
             else:
-                target = _Options(producer, spec.rdt_transport) if spec.rdt_transport else producer
                 numel = SMALL_BYTES // ELEMENT_BYTES
                 call = consumer.round_trips.remote(
-                    target, spec.method, spec.read, cfg.round_trips, numel, seed0
-                )
+                    producer, spec.method, spec.read, cfg.round_trips, numel, seed0,
+                    spec.rdt_transport,
+                )  # fmt: skip
                 times = ray.get(call, timeout=TRANSFER_TIMEOUT_S + cfg.round_trips)
             row.cold_s, row.times_s = times[0], times[1:]
             log(f"{where}: median {row.median():.0f} us per round trip")
@@ -378,16 +378,6 @@ def _driver_round_trips(
         if got != SMALL_BYTES:
             raise ValueError(f"consumer reported {got} bytes, expected {SMALL_BYTES}")
     return times
-
-
-class _Options:
-    """Stands for an actor handle whose methods are called with fixed ``.options``."""
-
-    def __init__(self, actor: Any, tensor_transport: str) -> None:
-        self.actor, self.tensor_transport = actor, tensor_transport
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.actor, name).options(tensor_transport=self.tensor_transport)
 
 
 # ---------------------------------------------------------------- 4: many refs
