@@ -196,14 +196,17 @@ def _receive_rd_get(consumer: Any, box: list[Any], layout: Layout) -> Any:
     return rd.get(box[0], timeout=TRANSFER_TIMEOUT_S)
 
 
-# A variant receiving into preallocated buffers is a few lines, e.g.:
-#   def _receive_into(consumer, box, layout):
-#       return rd.get(box[0], into=consumer.buffers(layout), timeout=TRANSFER_TIMEOUT_S)
-#   RECEIVERS["into"] = Receiver(_receive_into, boxed=True)
-# and a WeightSyncSystem(..., receiver="into") in workloads.WEIGHT_SYNC_SYSTEMS.
+def _receive_into(consumer: Any, box: list[Any], layout: Layout) -> Any:
+    # The consumer's own touched tensors, reused every sync (a stale one fails the check).
+    return rd.get(box[0], into=consumer.buffers(layout), timeout=TRANSFER_TIMEOUT_S)
+
+
+# Another way to receive is a function like these, an entry here, and a
+# WeightSyncSystem(..., receiver="<key>") in workloads.WEIGHT_SYNC_SYSTEMS.
 RECEIVERS: dict[str, Receiver] = {
     "argument": Receiver(_receive_argument, boxed=False),
     "rd.get": Receiver(_receive_rd_get, boxed=True),
+    "into": Receiver(_receive_into, boxed=True),
 }
 
 

@@ -200,6 +200,7 @@ class WeightSyncSystem:
 WEIGHT_SYNC_SYSTEMS = [
     WeightSyncSystem("raydirect auto", GROUP_RAYDIRECT, "state_auto"),
     WeightSyncSystem("raydirect auto, rd.get in consumer", GROUP_RAYDIRECT, "state_auto", "rd.get"),
+    WeightSyncSystem("raydirect auto, rd.get into buffers", GROUP_RAYDIRECT, "state_auto", "into"),
     WeightSyncSystem("raydirect tcp", GROUP_RAYDIRECT, "state_tcp"),
     WeightSyncSystem(OBJECT_STORE, GROUP_RAY, "state"),
     WeightSyncSystem(RDT_GLOO, GROUP_RDT, "state", rdt=True),
@@ -297,6 +298,7 @@ class SmallSystem:
 VIA_DRIVER = ", via the driver"
 SMALL_SYSTEMS = [
     SmallSystem(raydirect_system("auto"), GROUP_RAYDIRECT, "small_auto", read="rd.get"),
+    SmallSystem(raydirect_system("cma"), GROUP_RAYDIRECT, "small_cma", read="rd.get"),
     SmallSystem(PLAIN_CALL, GROUP_RAY, "small"),
     SmallSystem(RDT_GLOO, GROUP_RDT, "small"),
     SmallSystem(RDT_NIXL, GROUP_RDT, "small", rdt_transport="nixl", missing=rdt_nixl_missing),
