@@ -1,4 +1,9 @@
-"""512 MiB actor -> actor over nixl, cma and tcp (one Ray session, fresh actors per transport)."""
+"""512 MiB actor -> actor over raydirect's nixl, cma and tcp (one Ray session, fresh
+actors per transport).
+
+Not named nixl.py: Ray puts the script's folder on every worker's sys.path, where
+a nixl.py would shadow the `nixl` package (Ray's RDT imports nixl._api).
+"""
 
 import os
 import statistics
