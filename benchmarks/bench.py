@@ -57,6 +57,7 @@ DEFAULTS = {  # option -> (full run, --quick)
     "part_size": ("32MiB", "4MiB"),
     "driver_size": ("512MiB", "64MiB"),
     "repeats": (5, 2),  # REPEATS, QUICK_REPEATS
+    "sync_steps": (10, 2),
 }
 REPEATS, QUICK_REPEATS = 5, 2
 LARGE_REPEATS = 3  # full run: for operations moving LARGE_REPEATS_FROM bytes or more
@@ -91,6 +92,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--state-size", help=f"workload 2: state dict size {default('state_size')}")
     parser.add_argument("--consumers", help=f"workload 2: consumer counts {default('consumers')}")
+    parser.add_argument(
+        "--sync-steps",
+        type=int,
+        help=f"workload 2: timed syncs after the cold one {default('sync_steps')}",
+    )
     parser.add_argument(
         "--round-trips", type=int, help=f"workload 3: round trips {default('round_trips')}"
     )
@@ -140,6 +146,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown group(s) {sorted(unknown)}; choose from {GROUPS}")
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be at least 1")
+    if args.sync_steps is not None and args.sync_steps < 1:
+        parser.error("--sync-steps must be at least 1")
     if args.plot:
         missing = plot_available()
         if missing:
@@ -177,6 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=repeats,
         state_bytes=args.state_bytes,
         consumers=args.consumer_list,
+        sync_steps=args.sync_steps or DEFAULTS["sync_steps"][1 if args.quick else 0],
         round_trips=args.round_trip_count,
         part_bytes=args.part_bytes,
         driver_bytes=args.driver_bytes,

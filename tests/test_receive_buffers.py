@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from raydirect._tensors import _ReceiveRegions
+from raydirect._tensors import POOL_ENV, _ReceiveRegions
 
 MiB = 1 << 20
 
 
-def test_region_reused_only_after_every_view_is_gone():
-    pool = _ReceiveRegions(idle_cap_bytes=256 * MiB)
+def test_region_reused_only_after_every_view_is_gone(monkeypatch):
+    monkeypatch.setenv(POOL_ENV, str(256 * MiB))
+    pool = _ReceiveRegions()
     first = pool.take(8 * MiB)
     first[:4] = 7
     view = first[2:6].view(torch.int16)
@@ -29,16 +30,24 @@ def test_region_reused_only_after_every_view_is_gone():
     del second, third
 
 
-def test_idle_regions_are_capped():
-    pool = _ReceiveRegions(idle_cap_bytes=16 * MiB)
+def test_idle_regions_are_capped(monkeypatch):
+    monkeypatch.setenv(POOL_ENV, str(16 * MiB))
+    pool = _ReceiveRegions()
     held = [pool.take(8 * MiB) for _ in range(4)]
     del held
     assert pool.idle_bytes() == 32 * MiB
     big = pool.take(64 * MiB)  # a new region trims idle ones down to the cap
     assert pool.idle_bytes() <= 16 * MiB
     del big
-    off = _ReceiveRegions(idle_cap_bytes=0)
-    t = off.take(8 * MiB)
-    del t
-    off.take(16 * MiB)
-    assert off.idle_bytes() == 0
+    probe = pool.take(8 * MiB)
+    ptr = probe.data_ptr()
+    del probe
+    reused = pool.take(8 * MiB)
+    assert reused.data_ptr() == ptr  # pooled
+    del reused
+    monkeypatch.setenv(POOL_ENV, "0")  # read at each allocation: the pool is now off
+    fresh = pool.take(8 * MiB)
+    assert fresh.data_ptr() != ptr
+    del fresh
+    pool.take(16 * MiB)
+    assert pool.idle_bytes() == 0

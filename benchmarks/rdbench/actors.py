@@ -14,6 +14,7 @@ workloads.py.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -38,6 +39,7 @@ from rdbench.common import (
 )
 
 RAYDIRECT_TRANSPORTS = ("auto", "cma", "shm", "tcp", "gloo", "nixl")
+POOL_ENV = "RAYDIRECT_RECV_POOL_BYTES"  # raydirect's receive-buffer pool cap
 
 
 class PatternSource:
@@ -201,12 +203,27 @@ def _receive_into(consumer: Any, box: list[Any], layout: Layout) -> Any:
     return rd.get(box[0], into=consumer.buffers(layout), timeout=TRANSFER_TIMEOUT_S)
 
 
+def _receive_fresh(consumer: Any, box: list[Any], layout: Layout) -> Any:
+    # raydirect's receive-buffer pool off: every sync receives into new memory,
+    # as a consumer without the pool (or Ray's object store) would.
+    previous = os.environ.get(POOL_ENV)
+    os.environ[POOL_ENV] = "0"
+    try:
+        return rd.get(box[0], timeout=TRANSFER_TIMEOUT_S)
+    finally:
+        if previous is None:
+            del os.environ[POOL_ENV]
+        else:
+            os.environ[POOL_ENV] = previous
+
+
 # Another way to receive is a function like these, an entry here, and a
 # WeightSyncSystem(..., receiver="<key>") in workloads.WEIGHT_SYNC_SYSTEMS.
 RECEIVERS: dict[str, Receiver] = {
     "argument": Receiver(_receive_argument, boxed=False),
     "rd.get": Receiver(_receive_rd_get, boxed=True),
     "into": Receiver(_receive_into, boxed=True),
+    "fresh": Receiver(_receive_fresh, boxed=True),
 }
 
 

@@ -38,6 +38,7 @@ class Config:
     repeats: Callable[[int], int]  # timed repeats after the cold one, by bytes moved
     state_bytes: int  # workload 2
     consumers: list[int]  # workload 2
+    sync_steps: int  # workload 2: timed syncs after the cold one
     round_trips: int  # workload 3
     part_bytes: int  # workload 4, per ref
     driver_bytes: int  # workload 5

@@ -195,12 +195,23 @@ class WeightSyncSystem:
     rdt: bool = False
     rdt_transport: str | None = None
     missing: Callable[[], str | None] = lambda: None
+    broadcast: bool = False  # the driver hands each consumer its ref from rd.broadcast
 
 
 WEIGHT_SYNC_SYSTEMS = [
     WeightSyncSystem("raydirect auto", GROUP_RAYDIRECT, "state_auto"),
     WeightSyncSystem("raydirect auto, rd.get in consumer", GROUP_RAYDIRECT, "state_auto", "rd.get"),
     WeightSyncSystem("raydirect auto, rd.get into buffers", GROUP_RAYDIRECT, "state_auto", "into"),
+    WeightSyncSystem(
+        "raydirect auto, rd.get fresh buffers", GROUP_RAYDIRECT, "state_auto", "fresh"
+    ),
+    WeightSyncSystem(
+        "raydirect auto, broadcast into buffers",
+        GROUP_RAYDIRECT,
+        "state_auto",
+        "into",
+        broadcast=True,
+    ),
     WeightSyncSystem("raydirect tcp", GROUP_RAYDIRECT, "state_tcp"),
     WeightSyncSystem(OBJECT_STORE, GROUP_RAY, "state"),
     WeightSyncSystem(RDT_GLOO, GROUP_RDT, "state", rdt=True),
@@ -246,7 +257,7 @@ def weight_sync(ctx: Context) -> list[Row]:
             continue
         for row, n in zip(family, cfg.consumers, strict=True):
             sync = _sync_operation(spec, producer, consumers[:n], layout, cfg.state_bytes)
-            run_row(row, cfg.repeats(cfg.state_bytes), sync, ctx.seed_iter)
+            run_row(row, cfg.sync_steps, sync, ctx.seed_iter)
     ctx.release()
     return rows
 
@@ -264,8 +275,11 @@ def _sync_operation(
         ray.get(producer.prepare.remote(seed), timeout=SETUP_TIMEOUT_S)
         start = time.perf_counter()
         ref = method.remote()
-        arg = [ref] if boxed else ref
-        loads = [c.load.remote(spec.receiver, arg, seed, layout) for c in consumers]
+        refs = rd.broadcast(ref, consumers) if spec.broadcast else [ref] * len(consumers)
+        loads = [
+            c.load.remote(spec.receiver, [r] if boxed else r, seed, layout)
+            for c, r in zip(consumers, refs, strict=True)
+        ]
         got = ray.get(loads, timeout=TRANSFER_TIMEOUT_S)
         seconds = time.perf_counter() - start
         if got != [nbytes] * len(consumers):

@@ -29,9 +29,12 @@ _ALIGN = 64
 # Below this an arena is an ordinary tensor: huge pages would waste memory.
 _HUGEPAGE_MIN_BYTES = 4 << 20
 _HUGEPAGE = 2 << 20
+POOL_ENV = "RAYDIRECT_RECV_POOL_BYTES"
+DEFAULT_POOL_BYTES = 1 << 30
 
 KIND_TORCH = 0
 KIND_NUMPY = 1
+KIND_JAX = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,11 +58,24 @@ def torch_dtype(name: str) -> torch.dtype:
     return dtype
 
 
+def _jax_array_type() -> type | None:
+    # Only when the program imported jax itself: raydirect never imports it.
+    jax = sys.modules.get("jax")
+    return getattr(jax, "Array", None) if jax is not None else None
+
+
 def as_tensor(obj: Any) -> torch.Tensor | None:
-    """The torch view of a torch tensor or a plain numpy array, or None when
-    ``obj`` cannot travel as raw bytes (object arrays, strings, datetimes)."""
+    """The torch view of a torch tensor, a plain numpy array or a JAX array
+    (through DLPack, no copy), or None when ``obj`` cannot travel as raw bytes
+    (object arrays, strings, datetimes)."""
     if isinstance(obj, torch.Tensor):
         return obj
+    jax_array = _jax_array_type()
+    if jax_array is not None and isinstance(obj, jax_array):
+        try:
+            return torch.from_dlpack(obj)
+        except (RuntimeError, TypeError, BufferError):  # devices or dtypes torch lacks
+            return None
     if isinstance(obj, np.ndarray):
         if obj.dtype.hasobject:
             return None
@@ -75,12 +91,13 @@ def as_tensor(obj: Any) -> torch.Tensor | None:
 
 def describe(obj: Any, tensor: torch.Tensor) -> TensorMeta:
     is_numpy = isinstance(obj, np.ndarray)
+    kind = KIND_NUMPY if is_numpy else KIND_TORCH if isinstance(obj, torch.Tensor) else KIND_JAX
     return TensorMeta(
         shape=tuple(tensor.shape),
         dtype=str(tensor.dtype).removeprefix("torch."),
         nbytes=tensor.numel() * tensor.element_size(),
         device=tensor.device.type,
-        kind=KIND_NUMPY if is_numpy else KIND_TORCH,
+        kind=kind,
         requires_grad=bool(getattr(obj, "requires_grad", False)),
         is_parameter=isinstance(obj, torch.nn.Parameter),
         np_dtype=obj.dtype.str if is_numpy else None,
@@ -116,11 +133,17 @@ class _ReceiveRegions:
     keep it alive through their storage.
     """
 
-    def __init__(self, idle_cap_bytes: int) -> None:
+    def __init__(self) -> None:
         self._regions: list[mmap.mmap] = []
         self._lock = threading.Lock()
-        self._idle_cap = idle_cap_bytes
         self._free_refcount = self._refcount_when_unused()
+
+    @staticmethod
+    def idle_cap() -> int:
+        """Bytes of unused regions kept for reuse (``RAYDIRECT_RECV_POOL_BYTES``,
+        default 1 GiB; 0: no pool, every receive gets new memory). Read at each
+        allocation, so a process can change it while it runs."""
+        return int(os.environ.get(POOL_ENV, DEFAULT_POOL_BYTES))
 
     def _refcount_when_unused(self) -> int:
         # No other reference to the probe may exist while it is counted.
@@ -136,27 +159,30 @@ class _ReceiveRegions:
     def take(self, size: int) -> torch.Tensor:
         """A uint8 tensor over a region of at least ``size`` bytes (rounded to huge pages)."""
         rounded = (size + _HUGEPAGE - 1) // _HUGEPAGE * _HUGEPAGE
+        cap = self.idle_cap()
         with self._lock:
             counts = self._refcounts()
             free = [i for i, n in enumerate(counts) if n <= self._free_refcount]
             fits = [i for i in free if rounded <= len(self._regions[i]) <= rounded + rounded // 8]
+            if cap <= 0:
+                fits = []
             if fits:
                 region = self._regions[min(fits, key=lambda i: len(self._regions[i]))]
             else:
                 region = mmap.mmap(-1, rounded, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
                 if hasattr(mmap, "MADV_HUGEPAGE"):
                     region.madvise(mmap.MADV_HUGEPAGE)
-                if self._idle_cap > 0:  # 0: no reuse, nothing kept
+                if cap > 0:  # 0: no reuse, nothing kept
                     self._regions.append(region)
-                self._trim(free)
+                self._trim(free, cap)
             # The tensor keeps ``region`` alive; it is reused (or unmapped) after the last view.
             return torch.frombuffer(region, dtype=torch.uint8, count=size)
 
-    def _trim(self, free: list[int]) -> None:
+    def _trim(self, free: list[int], cap: int) -> None:
         idle = sum(len(self._regions[i]) for i in free)
         drop = set()
         for i in free:  # oldest first
-            if idle <= self._idle_cap:
+            if idle <= cap:
                 break
             idle -= len(self._regions[i])
             drop.add(i)
@@ -172,7 +198,7 @@ class _ReceiveRegions:
             )
 
 
-_regions = _ReceiveRegions(int(os.environ.get("RAYDIRECT_RECV_POOL_BYTES", 1 << 30)))
+_regions = _ReceiveRegions()
 
 
 def allocate_bytes(nbytes: int, device: str = "cpu") -> torch.Tensor:
@@ -199,7 +225,14 @@ def tensors_from_arena(arena: torch.Tensor, metas: list[TensorMeta], offsets: li
 
 
 def finish(t: torch.Tensor, meta: TensorMeta) -> Any:
-    """Give a received tensor back its Python type: numpy array, Parameter, grad flag."""
+    """Give a received tensor back its Python type: numpy or JAX array,
+    Parameter, grad flag."""
+    if meta.kind == KIND_JAX:
+        import jax.dlpack  # the producer sent a JAX array: the consumer has jax too
+
+        # Zero-copy where JAX accepts the buffer (arena slots are 64-byte aligned);
+        # the array keeps the receive buffer alive through the DLPack capsule.
+        return jax.dlpack.from_dlpack(t.contiguous())
     if meta.kind == KIND_NUMPY:
         arr = t.numpy()
         if meta.np_dtype is not None and arr.dtype.str != meta.np_dtype:

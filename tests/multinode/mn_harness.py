@@ -38,8 +38,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from raydirect.transports import nixl
+
 NS_HEAD, NS_WORKER = "rdA", "rdB"
 ADDR_HEAD, ADDR_WORKER = "10.77.0.1", "10.77.0.2"
+# What ``auto`` picks between the two nodes (one venv runs both): nixl when it
+# is installed, else tcp (the test objects share no group).
+CROSS_NODE = "nixl" if nixl.installed() else "tcp"
 VETH = "rdveth"  # the name of the veth end inside each namespace
 GCS_PORT = 6379
 ADDRESS = f"{ADDR_HEAD}:{GCS_PORT}"

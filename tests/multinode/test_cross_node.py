@@ -11,8 +11,6 @@ from typing import Any
 
 import pytest
 
-from raydirect.transports import nixl
-
 import mn_harness
 
 KINDS = ("pattern", "dtypes")  # a 64 MiB int32 pattern; a dict of many dtypes and a view
@@ -38,17 +36,12 @@ def test_actors_run_on_distinct_nodes(report):
     assert producer["node_id"] != consumer["node_id"]
 
 
-# ``auto`` prefers NIXL between nodes when both sides have it installed (the
-# same venv runs both nodes here), else tcp (no group is shared).
-CROSS_NODE = "nixl" if nixl.installed() else "tcp"
-
-
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("reader", ["actor", "task", "driver"])
 def test_auto_across_nodes_uses_nixl_or_tcp(report, reader, kind):
     assert entry(report, f"auto/{kind}/{reader}") == {
         "mismatch": None,
-        "received": {CROSS_NODE: 1},
+        "received": {mn_harness.CROSS_NODE: 1},
         **({"ip": mn_harness.ADDR_HEAD} if reader == "task" else {}),
     }
 

@@ -26,7 +26,7 @@ def test_node_loss_raises_producer_lost_and_leaves_nothing(cluster, driver_scrip
     driver = cluster.start_driver(driver_script, "node_loss")
     try:
         ready = driver.expect("ready", timeout=240)
-        assert ready["warm"] == {"mismatch": None, "received": {"tcp": 1}}
+        assert ready["warm"] == {"mismatch": None, "received": {mn_harness.CROSS_NODE: 1}}
         assert ready["shm_read"] == {"mismatch": None, "received": {"shm": 1}}
         producer_pid = ready["producer"]["pid"]
         assert ready["segments"], "the producer on node B holds no shm segment: nothing to check"

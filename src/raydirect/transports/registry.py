@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import ray
@@ -38,6 +38,17 @@ AUTO = "auto"
 ENTRY_POINT_GROUP = "raydirect.transports"
 DATA_TYPES = (torch.Tensor, np.ndarray)
 
+def _data_type_name(data_type: Any) -> str | None:
+    if data_type is torch.Tensor:
+        return "torch"
+    if data_type is np.ndarray:
+        return "numpy"
+    jax = sys.modules.get("jax")  # only if the caller imported jax: never imported here
+    if jax is not None and data_type is getattr(jax, "Array", None):
+        return "jax"
+    return None
+
+
 _BUILTINS: dict[str, str] = {
     "cma": "raydirect.transports.cma:CmaTransport",
     "cuda_ipc": "raydirect.transports.cuda_ipc:CudaIpcTransport",
@@ -54,7 +65,19 @@ class Registration:
     name: str
     cls: type[TensorTransportManager]
     devices: tuple[str, ...]
-    data_type: type
+    # By name ("torch", "numpy", "jax"), not the class: pickled by value with the
+    # registration, a class object could arrive as a copy that nothing is an instance of.
+    data_type_name: str = "torch"
+
+    @property
+    def data_type(self) -> type:
+        if self.data_type_name == "numpy":
+            return np.ndarray
+        if self.data_type_name == "jax":
+            import jax  # a JAX-typed transport: this process deals in JAX arrays
+
+            return cast(type, jax.Array)
+        return torch.Tensor
 
 
 _registrations: dict[str, Registration] = {}
@@ -119,14 +142,17 @@ def register_tensor_transport(
         raise ValueError(
             f"devices must be a non-empty list of device types such as ['cpu'], got {devices!r}"
         )
-    if data_type not in DATA_TYPES:
-        raise TypeError(f"data_type must be torch.Tensor or numpy.ndarray, got {data_type!r}")
+    data_type_name = _data_type_name(data_type)
+    if data_type_name is None:
+        raise TypeError(
+            f"data_type must be torch.Tensor, numpy.ndarray or jax.Array, got {data_type!r}"
+        )
     if not manager_cls.is_one_sided():
         raise ValueError(
             f"{manager_cls.__name__} is two-sided; raydirect runs two-sided plug-ins only "
             "through its own groups so far: use a one-sided transport, or 'gloo'/'nccl'"
         )
-    registration = Registration(name, manager_cls, tuple(devices), data_type)
+    registration = Registration(name, manager_cls, tuple(devices), data_type_name)
     blob = _dumps_by_value(registration)
     with _lock:
         if not replace and _lookup(name) is not None:
@@ -153,14 +179,14 @@ def _publish_unpublished() -> None:
 def _builtin(name: str) -> Registration:
     module, _, attr = _BUILTINS[name].partition(":")
     cls = getattr(importlib.import_module(module), attr)
-    return Registration(name, cls, cls.devices, torch.Tensor)
+    return Registration(name, cls, cls.devices)
 
 
 def _from_entry_point(name: str) -> Registration | None:
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name == name:
             cls = ep.load()
-            return Registration(name, cls, tuple(cls.devices), torch.Tensor)
+            return Registration(name, cls, tuple(cls.devices))
     return None
 
 
