@@ -80,7 +80,8 @@ def as_tensor(obj: Any) -> torch.Tensor | None:
         if obj.dtype.hasobject:
             return None
         try:
-            arr = np.ascontiguousarray(obj)
+            # np.ascontiguousarray would turn a 0-d array into shape (1,).
+            arr = obj if obj.flags.c_contiguous else np.ascontiguousarray(obj)
             if not arr.flags.writeable:
                 arr = arr.copy()
             return torch.from_numpy(arr)
@@ -110,7 +111,12 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     t = tensor.detach()
     if not t.is_contiguous():
         t = t.contiguous()
-    return t.reshape(-1).view(torch.uint8)
+    flat = t.reshape(-1)
+    if flat.numel() <= 1 and flat.stride() != (1,):
+        # torch calls a tensor of at most one element contiguous whatever its
+        # stride (x[::2] of two elements), but refuses to view it as bytes.
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 def arena_layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
