@@ -69,8 +69,9 @@ def method(fn: Any = None, /, *, tensor_transport: str = AUTO) -> Any:
     transport = tensor_transport
 
     if inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
-        # Items of Ray's generator returns were seen freed before a consumer read
-        # them (their leases did not hold): refuse rather than risk wrong bytes.
+        # Ray 2.60 can lose the count of refs nested in objects a streaming
+        # generator yields (ray-project/ray#58080; fix in PR #58082, open): the
+        # lease would not hold and the producer could free tensors before a read.
         raise TypeError(
             f"rd.method does not support generator methods yet ({fn.__qualname__}); "
             "return a list of values instead, or call rd.put for each item"
