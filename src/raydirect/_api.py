@@ -73,8 +73,9 @@ def method(fn: Any = None, /, *, tensor_transport: str = AUTO) -> Any:
         # generator yields (ray-project/ray#58080; fix in PR #58082, open): the
         # lease would not hold and the producer could free tensors before a read.
         raise TypeError(
-            f"rd.method does not support generator methods yet ({fn.__qualname__}); "
-            "return a list of values instead, or call rd.put for each item"
+            f"rd.method does not support generator methods yet ({fn.__qualname__}): Ray can "
+            "lose refs nested in yielded objects (ray-project/ray#58080). Return a list of "
+            "values instead (with @ray.method(num_returns=k), each its own object)"
         )
     wrapper: Any
     if inspect.iscoroutinefunction(fn):
