@@ -10,6 +10,7 @@ import ray
 import zmq
 
 import raydirect as rd
+from raydirect import _agent
 
 from actors import Producer, check_value
 
@@ -31,6 +32,12 @@ def producer(ray_session):
 
 # A context of the test's own: what is checked is the agent, not this process's channels.
 _CONTEXT = zmq.Context()
+
+
+def request(**fields: object) -> bytes:
+    """A request as a raydirect process would send it (with the cluster token's proof)."""
+    proof = _agent.auth_proof()
+    return json.dumps({**fields, **({"auth": proof} if proof else {})}).encode()
 
 
 def ask(address: str, *frames: bytes) -> dict:
@@ -63,20 +70,19 @@ def test_requests_without_the_right_capability_are_refused(producer):
         )
     )
     for cap in (secrets.token_hex(16), "", "00" * 16):
-        reply = ask(
-            address,
-            json.dumps({"op": "fetch", "obj": obj_hex, "cap": cap, "transport": "tcp"}).encode(),
-        )
+        reply = ask(address, request(op="fetch", obj=obj_hex, cap=cap, transport="tcp"))
         assert reply["ok"] is False and reply["kind"] == "lost"
     for garbage in (
         b"\xff\x00garbage",
-        b"{}",
-        b'{"op": "fetch"}',
-        b"[1, 2]",
-        json.dumps({"op": "fetch", "obj": "zz", "cap": "zz"}).encode(),
+        request(),
+        request(op="fetch"),
+        request(op="fetch", obj="zz", cap="zz"),
     ):
         reply = ask(address, garbage)
         assert reply["ok"] is False and reply["kind"] == "bad_request"
+    # Valid JSON that cannot carry the cluster token's proof.
+    reply = ask(address, b"[1, 2]")
+    assert reply["kind"] == ("unauthenticated" if _agent.auth_proof() else "bad_request")
     # The agent survived all of it and still serves the real holder of the ref.
     assert rd.get(ref, timeout=30, tensor_transport="tcp").tolist() == list(range(1000))
     assert check_value("dtypes", rd.get(producer.value.remote("dtypes"), timeout=30)) is None

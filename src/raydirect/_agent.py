@@ -7,7 +7,9 @@ sync actor runs them only after its current task.
 
 Requests are JSON (never pickle: the channel is reachable from the network);
 each names an object and carries its 128-bit capability from the Payload, so
-only holders of the ref can read the tensors. Transports answer through a
+only holders of the ref can read the tensors. Where Ray's token authentication
+is on, every request also carries a proof derived from the cluster's token, so
+a process outside the cluster is refused before any object is looked up. Transports answer through a
 ``Reply``, from a small worker pool, so a slow staging copy never stalls the
 channel; replies reach the ROUTER socket through an inproc queue because ZeroMQ
 sockets belong to one thread.
@@ -22,6 +24,8 @@ from __future__ import annotations
 import atexit
 import ctypes
 import dataclasses
+import functools
+import hashlib
 import hmac
 import json
 import logging
@@ -61,8 +65,16 @@ _REFUSALS_BEFORE_LOST = 5
 _POLL_SLICE_MS = 200
 # A consumer with no deadline waits this long for background preparation.
 _MAX_PREPARE_WAIT = 3600.0
+_DEATH_GRACE_S = 0.5
 # Stream messages a consumer buffers ahead of its reader (16 MiB each for tcp).
 _READ_AHEAD_MESSAGES = 4
+# Requests are small JSON; a peer sending more is not a raydirect process and
+# is disconnected by ZeroMQ before the agent buffers it.
+_MAX_REQUEST_BYTES = 1 << 20
+# Fire-and-forget messages: a reply to one would sit unread in the sender's
+# cached channel and be taken as the answer to its next request.
+_NOTIFY_OPS = ("sent", "abort")
+_GROUP_OPS = ("group_broken", "group_leave")
 
 
 def _process_start_time(pid: int) -> int:
@@ -88,6 +100,36 @@ def process_alive(pid: int, start_time: int) -> bool:
 PROCESS_TOKEN = secrets.token_bytes(16)
 PID = os.getpid()
 START_TIME = _process_start_time(PID)
+
+
+@functools.lru_cache(maxsize=4)
+def _auth_proof_for(session: tuple[int, str]) -> str | None:
+    token = _ray.cluster_auth_token()
+    if token is None:
+        return None
+    # A digest, not the token: whoever reads our traffic cannot replay it against Ray itself.
+    return hmac.new(token, b"raydirect agent v1", hashlib.sha256).hexdigest()
+
+
+def auth_proof() -> str | None:
+    """What every request carries when Ray's token authentication is on (else None)."""
+    return _auth_proof_for(_ray.session_key())
+
+
+def _wants_reply(request: Any) -> bool:
+    op = request.get("op") if isinstance(request, dict) else None
+    if op in _NOTIFY_OPS:
+        return False
+    if op in _GROUP_OPS:
+        return bool(request.get("reply"))
+    return True
+
+
+def _peer_of(frame: zmq.Frame) -> str:
+    try:
+        return str(frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return "?"
 
 
 def _allow_memory_reads() -> None:
@@ -142,6 +184,7 @@ class Agent:
         # A consumer that reconnects keeps its routing id: replies follow it.
         self._router.setsockopt(zmq.ROUTER_HANDOVER, 1)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, _MAX_REQUEST_BYTES)
         ip = _ray.node_ip()
         port = self._router.bind_to_random_port(f"tcp://{ip}")
         self.address = f"tcp://{ip}:{port}"
@@ -174,22 +217,38 @@ class Agent:
             if self._router in events:
                 while True:
                     try:
-                        identity, raw = self._router.recv_multipart(zmq.NOBLOCK)[:2]
+                        parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    except ValueError:  # a single-frame message: malformed
+                    if len(parts) < 2:  # a single-frame message: malformed
                         continue
-                    self._workers.submit(self._handle, identity, raw)
+                    self._workers.submit(self._handle, parts[0].bytes, parts[1])
 
-    def _handle(self, identity: bytes, raw: bytes) -> None:
+    def _handle(self, identity: bytes, frame: zmq.Frame) -> None:
         reply = Reply(self._outbox_address, identity, self._worker_local)
+        request: Any = None
         try:
-            request = json.loads(raw)
+            request = json.loads(frame.bytes)
+            if not self._authenticated(request):
+                log.warning(
+                    "raydirect agent: request from %s without the Ray cluster's token refused",
+                    _peer_of(frame),
+                )
+                if _wants_reply(request):
+                    reply.send(
+                        {
+                            "ok": False,
+                            "kind": "unauthenticated",
+                            "error": "request refused: it does not carry this Ray cluster's "
+                            "auth token (RAY_AUTH_MODE=token)",
+                        }
+                    )
+                return
             op = request["op"]
             if op == "stats":  # counts only, no tensor data: needs no capability
                 reply.send({"ok": True, "stats": dataclasses.asdict(store.stats())})
                 return
-            if op in ("group_broken", "group_leave"):  # authenticated by the group token
+            if op in _GROUP_OPS:  # authenticated by the group token
                 from raydirect._groups import handle_control
 
                 answer = handle_control(request)
@@ -198,18 +257,35 @@ class Agent:
                 return
             obj_id = bytes.fromhex(request["obj"])
             capability = bytes.fromhex(request["cap"])
-        except (ValueError, KeyError, TypeError) as exc:
-            log.warning("raydirect agent: malformed request refused (%s)", exc)
-            reply.send({"ok": False, "kind": "bad_request", "error": f"malformed request: {exc}"})
+        # Anything a hostile peer can make json or the field checks raise (a
+        # RecursionError from deeply nested JSON, say) is a refusal, never silence.
+        except Exception as exc:
+            log.warning(
+                "raydirect agent: malformed request from %s refused (%s)",
+                _peer_of(frame),
+                type(exc).__name__,
+            )
+            if request is None or _wants_reply(request):
+                reply.send(
+                    {
+                        "ok": False,
+                        "kind": "bad_request",
+                        "error": f"malformed request: {type(exc).__name__}",
+                    }
+                )
             return
         obj = store.get(obj_id)
         if obj is None or not hmac.compare_digest(obj.capability, capability):
-            if obj is not None:
-                log.warning(
-                    "raydirect agent: request for %s with a wrong capability refused",
-                    obj_id.hex()[:8],
-                )
-            if op not in ("sent", "abort"):
+            # Never log a capability, nor more of an object id than tells objects apart.
+            log.log(
+                logging.DEBUG if op in _NOTIFY_OPS else logging.WARNING,
+                "raydirect agent: %r for %s from %s refused: %s",
+                str(op)[:32],
+                obj_id.hex()[:8],
+                _peer_of(frame),
+                "wrong capability" if obj is not None else "no such object (freed, or never here)",
+            )
+            if op not in _NOTIFY_OPS:
                 reply.send(
                     {
                         "ok": False,
@@ -253,6 +329,14 @@ class Agent:
         except Exception as exc:
             log.exception("raydirect agent: serving %s over %s failed", obj_id.hex()[:8], name)
             reply.send({"ok": False, "kind": "transfer", "error": f"{type(exc).__name__}: {exc}"})
+
+    @staticmethod
+    def _authenticated(request: Any) -> bool:
+        expected = auth_proof()
+        if expected is None:
+            return True
+        got = request.get("auth") if isinstance(request, dict) else None
+        return isinstance(got, str) and hmac.compare_digest(got.encode(), expected.encode())
 
 
     @staticmethod
@@ -308,6 +392,13 @@ def agent(label: str | None = None) -> Agent:
                 on_agent_start()
                 _agent = Agent()
                 _announce(_agent, label)
+                if _ray.tls_enabled():
+                    log.warning(
+                        "raydirect: Ray TLS is on (RAY_USE_TLS), but raydirect's control channel "
+                        "and tcp transport are not encrypted: requests are authenticated, yet "
+                        "tensor bytes cross the network in clear. Keep nodes on a trusted "
+                        "network, or use a transport your network encrypts."
+                    )
     return _agent
 
 
@@ -404,6 +495,9 @@ class Channel:
         return not self.lost
 
     def send(self, header: dict[str, Any]) -> None:
+        proof = auth_proof()
+        if proof is not None:
+            header = {**header, "auth": proof}
         self.socket.send(json.dumps(header).encode())
 
     def wait_readable(self, deadline: float | None, who: str) -> None:
@@ -423,6 +517,13 @@ class Channel:
             if self.producer_alive is not None and not self.producer_alive():
                 raise ProducerLostError.of(who, "is no longer running")
             if self.lost:
+                if self.producer_alive is not None and self._outlives_grace(self.producer_alive):
+                    # Same node and still running: only the connection broke (reset,
+                    # closed socket), the object is intact and a new read can succeed.
+                    raise TransferError(
+                        f"the connection to the agent of {who} broke during the transfer; "
+                        "the producer is alive and still holds the object: read it again"
+                    )
                 raise ProducerLostError.of(
                     who, "is unreachable: its process died or its node is down"
                 )
@@ -431,6 +532,17 @@ class Channel:
                     who, f"cannot be reached at {self.address}: its process died or restarted"
                 )
 
+    @staticmethod
+    def _outlives_grace(alive: Callable[[], bool]) -> bool:
+        """A killed process closes its sockets a moment before /proc shows it dead:
+        only a producer still running after a short grace counts as alive."""
+        until = time.monotonic() + _DEATH_GRACE_S
+        while time.monotonic() < until:
+            if not alive():
+                return False
+            time.sleep(0.02)
+        return alive()
+
     def recv_reply(
         self, deadline: float | None, who: str
     ) -> tuple[dict[str, Any], list[zmq.Frame]]:
@@ -438,12 +550,19 @@ class Channel:
         parts = self.socket.recv_multipart(copy=False)
         try:
             header = json.loads(parts[0].bytes)
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise TransferError(f"corrupt reply from {who}: {exc}") from exc
+        if not isinstance(header, dict):
+            raise TransferError(f"corrupt reply from {who}: a {type(header).__name__} header")
         if not header.get("ok"):
             message = header.get("error", "unknown error")
             if header.get("kind") == "lost":
                 raise ProducerLostError.of(who, f"no longer holds the object ({message})")
+            if header.get("kind") == "unauthenticated":
+                raise TransferError(
+                    f"the producer {who} refused this process ({message}): run it in the same "
+                    "Ray cluster, with the cluster's token (RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+                )
             raise TransferError(f"the producer {who} could not send the object: {message}")
         return header, parts[1:]
 

@@ -199,3 +199,24 @@ OFF_LOOP_THREAD_PREFIX = "raydirect-async"
 @functools.cache
 def quiet_off_loop_get_warning() -> None:
     logging.getLogger("ray._private.worker").addFilter(_OffLoopGetFilter())
+
+
+# Ray 2.60 token authentication (RAY_AUTH_MODE=token; the default for a local
+# ``ray.init()``). The token comes from RAY_AUTH_TOKEN, the file RAY_AUTH_TOKEN_PATH
+# names, or ~/.ray/auth_token; Ray's own loader knows the order, so ask it.
+def cluster_auth_token() -> bytes | None:
+    """The Ray cluster's auth token when token authentication is on, else None."""
+    from ray import _raylet
+
+    if _raylet.get_authentication_mode() != _raylet.AuthenticationMode.TOKEN:  # type: ignore[attr-defined]
+        return None
+    loader = _raylet.AuthenticationTokenLoader.instance()  # type: ignore[attr-defined]
+    if not loader.has_token():
+        return None
+    token = loader.get_raw_token()
+    return token.encode() if isinstance(token, str) else bytes(token)
+
+
+def tls_enabled() -> bool:
+    """Is Ray's gRPC TLS configured for this process (RAY_USE_TLS)?"""
+    return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
