@@ -29,7 +29,7 @@ import torch
 from raydirect import _agent
 from raydirect._agent import channel
 from raydirect._tensors import arena_layout
-from raydirect.errors import TransferError
+from raydirect.errors import ProducerLostError, TransferError
 from raydirect.transports.base import (
     ByteTransport,
     CommunicatorMetadata,
@@ -60,7 +60,8 @@ def segment_size(nbytes: int) -> int:
 
 
 def _map(path: str, size: int, create: bool) -> mmap.mmap:
-    flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+    # O_NOFOLLOW: /dev/shm is world-writable; a name must never lead elsewhere.
+    flags = os.O_RDWR | os.O_NOFOLLOW | (os.O_CREAT | os.O_EXCL if create else 0)
     fd = os.open(path, flags, 0o600)
     try:
         if create:
@@ -253,7 +254,13 @@ class ShmTransport(ByteTransport):
         with channel(link.producer.agent_address) as ch:
             header, _ = self.ask_producer(ch, obj_id, link)
         name, size, offsets = _checked_reply(header, target_buffers, who)
-        seg = self._mapped.view(name, size)
+        try:
+            seg = self._mapped.view(name, size)
+        except (OSError, ValueError) as exc:  # no such segment, or smaller than the reply says
+            producer = link.producer
+            if not _agent.process_alive(producer.pid, producer.start_time):
+                raise ProducerLostError.of(who, "died (its segment is gone)") from exc
+            raise TransferError(f"corrupt reply from {who}: segment {name!r}: {exc}") from exc
         for target, off in zip(target_buffers, offsets, strict=True):
             copy_sliced(target, seg[off : off + target.numel()], link)
         return target_buffers
