@@ -166,9 +166,11 @@ def values(draw: st.DrawFn) -> list[Any]:
     )
     tree = st.recursive(
         leaf,
-        lambda inner: st.lists(inner, max_size=4)
-        | st.lists(inner, max_size=3).map(tuple)
-        | st.dictionaries(st.text(max_size=4), inner, max_size=4),
+        lambda inner: (
+            st.lists(inner, max_size=4)
+            | st.lists(inner, max_size=3).map(tuple)
+            | st.dictionaries(st.text(max_size=4), inner, max_size=4)
+        ),
         max_leaves=12,
     )
     return draw(st.lists(tree, min_size=1, max_size=6))

@@ -7,12 +7,14 @@ import secrets
 
 import pytest
 import ray
+import torch
 import zmq
 
 import raydirect as rd
 from raydirect import _agent
 
 from actors import Producer, check_value
+from helpers import wait_for
 
 
 def agent_address(actor) -> str:
@@ -86,3 +88,151 @@ def test_requests_without_the_right_capability_are_refused(producer):
     # The agent survived all of it and still serves the real holder of the ref.
     assert rd.get(ref, timeout=30, tensor_transport="tcp").tolist() == list(range(1000))
     assert check_value("dtypes", rd.get(producer.value.remote("dtypes"), timeout=30)) is None
+
+
+def _objects(actor) -> dict[str, str]:
+    """Object id -> capability (hex) of what ``actor`` holds (read from its store)."""
+    return ray.get(
+        actor.__ray_call__.remote(
+            lambda self: {
+                k.hex(): o.capability.hex()
+                for k, o in __import__(
+                    "raydirect._store", fromlist=["store"]
+                ).store._objects.items()
+            }
+        )
+    )
+
+
+def _capture_logs(actor) -> None:
+    def install(self):
+        import logging
+
+        class Keep(logging.Handler):
+            def emit(self, record):
+                kept.append(record.getMessage())
+
+        kept: list[str] = []
+        self.__dict__["_kept_logs"] = kept
+        logging.getLogger("raydirect").addHandler(Keep(logging.DEBUG))
+
+    ray.get(actor.__ray_call__.remote(install))
+
+
+def _logs(actor) -> list[str]:
+    return ray.get(actor.__ray_call__.remote(lambda self: list(self.__dict__["_kept_logs"])))
+
+
+def test_agent_socket_is_bound_to_the_node_address(producer):
+    """The listening socket itself, as the kernel reports it, not just the address string."""
+    import psutil
+
+    address = agent_address(producer)
+    port = int(address.rsplit(":", 1)[1])
+    pid = ray.get(producer.pid.remote())
+    listening = [
+        c.laddr
+        for c in psutil.Process(pid).net_connections(kind="tcp")
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port
+    ]
+    assert [a.ip for a in listening] == [ray.util.get_node_ip_address()], listening
+
+
+def test_refusals_are_logged_without_capabilities(producer):
+    address = agent_address(producer)
+    _capture_logs(producer)
+    ref = producer.keep.remote("logged")
+    ray.wait([ref])
+    held = _objects(producer)
+    obj_hex, cap_hex = next(iter(held.items()))
+    wrong = secrets.token_hex(16)
+    freed_ref = producer.keep.remote("freed")
+    ray.wait([freed_ref])
+    [(freed_hex, freed_cap)] = [(k, c) for k, c in _objects(producer).items() if k not in held]
+    del freed_ref
+    wait_for(lambda: freed_hex not in _objects(producer), what="object freed")
+
+    asks = {
+        "wrong capability": request(op="fetch", obj=obj_hex, cap=wrong, transport="tcp"),
+        "no capability": request(op="fetch", obj=obj_hex, transport="tcp"),
+        "freed object": request(op="fetch", obj=freed_hex, cap=freed_cap, transport="tcp"),
+    }
+    kinds = {why: ask(address, raw)["kind"] for why, raw in asks.items()}
+    assert kinds == {
+        "wrong capability": "lost",
+        "no capability": "bad_request",
+        "freed object": "lost",
+    }
+    logs = wait_for(lambda: [m for m in _logs(producer) if "refused" in m] or None)
+    text = "\n".join(logs)
+    assert f"for {obj_hex[:8]}" in text and "wrong capability" in text
+    assert f"for {freed_hex[:8]}" in text and "no such object" in text
+    assert "malformed request" in text and "KeyError" in text
+    for secret in (cap_hex, wrong, freed_cap, obj_hex, freed_hex):
+        assert secret not in text  # neither capabilities nor full object ids reach the log
+        assert secret[8:24] not in text
+    assert rd.get(ref, timeout=30, tensor_transport="tcp").tolist() == list(range(1000))
+
+
+def test_capabilities_are_128_bit_from_secrets(monkeypatch, ray_session):
+    import raydirect._producer as producer_module
+    from raydirect._store import store
+
+    drawn: list[bytes] = []
+    real = secrets.token_bytes
+
+    def spy(n: int) -> bytes:
+        value = real(n)
+        drawn.append(value)
+        return value
+
+    monkeypatch.setattr(producer_module.secrets, "token_bytes", spy)
+    refs = [rd.put({"t": torch.ones(4)}) for _ in range(8)]
+    capabilities = [o.capability for o in store._objects.values() if o.capability in drawn]
+    assert len(capabilities) == 8 and len(set(capabilities)) == 8
+    assert all(len(c) >= 16 for c in capabilities)  # 128 bits or more
+    del refs
+
+
+def test_ray_token_auth_is_required_by_the_agent(producer):
+    """Ray 2.60 turns token auth on for a local ray.init() (RAY_AUTH_MODE=token; the
+    token in ~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH). Then our
+    agent refuses any request without a proof of that token."""
+    if _agent.auth_proof() is None:
+        pytest.skip("Ray token authentication is off in this session (RAY_AUTH_MODE)")
+    address = agent_address(producer)
+    worker_proof = ray.get(
+        producer.__ray_call__.remote(
+            lambda self: __import__("raydirect._agent", fromlist=["x"]).auth_proof()
+        )
+    )
+    assert worker_proof == _agent.auth_proof()  # every process of the cluster derives it
+    token = ray._raylet.AuthenticationTokenLoader.instance().get_raw_token()
+    assert token not in worker_proof  # requests carry a digest of the token, never the token
+    ref = producer.keep.remote("token")
+    ray.wait([ref])
+    obj_hex, cap_hex = next(iter(_objects(producer).items()))
+    fetch = {"op": "fetch", "obj": obj_hex, "cap": cap_hex, "transport": "tcp"}
+    for auth in (None, "", secrets.token_hex(32), 42):
+        fields = dict(fetch) if auth is None else {**fetch, "auth": auth}
+        reply = ask(address, json.dumps(fields).encode())
+        assert reply["ok"] is False and reply["kind"] == "unauthenticated", reply
+        assert "auth token" in reply["error"]
+    stats = ask(address, json.dumps({"op": "stats"}).encode())
+    assert stats["kind"] == "unauthenticated"  # even counts need the token
+    assert ask(address, request(**fetch))["ok"] is True  # the right proof: served
+
+
+def test_a_process_without_the_token_sees_a_clear_error(producer):
+    if _agent.auth_proof() is None:
+        pytest.skip("Ray token authentication is off in this session (RAY_AUTH_MODE)")
+    ref = producer.value_tcp.remote("dtypes")
+    ray.wait([ref])
+    original = _agent.auth_proof
+    _agent.auth_proof = lambda: secrets.token_hex(32)  # as a process of another cluster
+    try:
+        with pytest.raises(rd.TransferError, match="refused this process.*cluster's token"):
+            rd.get(ref, timeout=30, tensor_transport="tcp")
+    finally:
+        _agent.auth_proof = original
+    assert check_value("dtypes", rd.get(ref, timeout=30, tensor_transport="tcp")) is None
