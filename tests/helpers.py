@@ -22,3 +22,16 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30.0, what: str =
 
 def shm_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("rd-")}
+
+
+def rss(pid: int) -> int:
+    """Resident memory of process ``pid`` (this node), in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for pid {pid}")
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))

@@ -21,7 +21,7 @@ import raydirect as rd
 from raydirect.transports.shm import sweep_dead_segments
 
 from actors import check_value
-from helpers import shm_segments
+from helpers import rss, shm_segments
 
 # Stated bound on how long a consumer waits to see a fault (docs/guarantees.md).
 # Most faults show within a second; the bound leaves room for a loaded 2-core
@@ -29,18 +29,6 @@ from helpers import shm_segments
 DETECT_BOUND_S = 20.0
 # How long leftovers (fds, segments, stored objects) may take to go away.
 SETTLE_S = 30.0
-
-
-def open_fds(pid: int) -> int:
-    return len(os.listdir(f"/proc/{pid}/fd"))
-
-
-def rss(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for pid {pid}")
 
 
 def fd_targets(pid: int) -> dict[str, str]:
