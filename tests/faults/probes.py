@@ -71,13 +71,18 @@ def fds_back(baseline: dict[int, dict[str, str]]) -> Callable[[], str | None]:
     return problem
 
 
-def shm_back(baseline: set[str]) -> Callable[[], str | None]:
-    """No /dev/shm segment beyond ``baseline``; a dead process's are swept (as the
-    next raydirect process on the node does)."""
+def segments_of(*pids: int) -> set[str]:
+    """/dev/shm segments of these processes (other tests on this machine make their own)."""
+    return {s for s in shm_segments() if s.startswith(tuple(f"rd-{pid}-" for pid in pids))}
+
+
+def shm_back(baseline: set[str], *pids: int) -> Callable[[], str | None]:
+    """No segment of ``pids`` beyond ``baseline``; a dead process's are swept (as
+    the next raydirect process on the node does)."""
 
     def problem() -> str | None:
         sweep_dead_segments()
-        extra = shm_segments() - baseline
+        extra = segments_of(*pids) - baseline
         return f"segments left in /dev/shm: {sorted(extra)}" if extra else None
 
     return problem

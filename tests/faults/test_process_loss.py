@@ -29,6 +29,7 @@ from probes import (
     kill,
     kill_connections,
     rss,
+    segments_of,
     settle,
     shm_back,
     stopped,
@@ -37,7 +38,6 @@ from probes import (
 )
 
 from actors import Producer, check_value
-from helpers import shm_segments
 
 BIG = 1 << 30  # 1 GiB: long enough (0.15-1 s) to freeze the consumer inside it
 STARTED = 96 << 20  # bytes landed before the fault: the transfer is under way
@@ -81,7 +81,7 @@ def test_producer_killed_before_or_after_a_transfer(reader, phase, transport):
     if phase == "after":
         assert ray.get(r.read.remote([ref], transport, 60))["ok"]
     baseline = fd_baseline(r_pid)
-    shm_before = {s for s in shm_segments() if not s.startswith(f"rd-{p_pid}-")}
+    shm_before = segments_of(r_pid)
 
     t0 = kill(p_pid)
     result = ray.get(r.read.remote([ref], transport, 120), timeout=120)
@@ -94,7 +94,7 @@ def test_producer_killed_before_or_after_a_transfer(reader, phase, transport):
     if phase == "after":  # what arrived before the death is the consumer's own, intact
         assert ray.get(r.check_kept.remote("dtypes")) is None
     settle(fds_back(baseline))
-    settle(shm_back(shm_before))
+    settle(shm_back(shm_before, p_pid, r_pid))
     assert ray.get(r.stats.remote()).num_objects == 0
 
 
@@ -126,7 +126,7 @@ def test_producer_killed_during_a_large_transfer(reader, transport):
     p_pid = ray.get(p.pid.remote())
     warm(p, r, transport)
     baseline = fd_baseline(r_pid)
-    shm_before = shm_segments()
+    shm_before = segments_of(r_pid)
 
     pending, big, stop = _start_big_read(p, r, r_pid, transport, 5)
     try:
@@ -142,7 +142,7 @@ def test_producer_killed_during_a_large_transfer(reader, transport):
     assert seconds < DETECT_BOUND_S
     del big
     settle(fds_back(baseline))
-    settle(shm_back(shm_before))
+    settle(shm_back(shm_before, p_pid, r_pid))
 
 
 @pytest.mark.timeout(300)
@@ -154,7 +154,7 @@ def test_consumer_killed_during_a_large_transfer(reader, transport):
     warm(p, r, transport)
     settle(store_empty(p))
     baseline = fd_baseline(p_pid)
-    shm_before = shm_segments()
+    shm_before = segments_of(p_pid)
 
     pending, big, stop = _start_big_read(p, r, r_pid, transport, 6)
     try:
@@ -172,7 +172,7 @@ def test_consumer_killed_during_a_large_transfer(reader, transport):
     settle(store_empty(p))
     report(f"consumer_killed_during_{transport}_freed", time.monotonic() - t0)
     settle(fds_back(baseline))
-    settle(shm_back(shm_before))
+    settle(shm_back(shm_before, p_pid, r_pid))
     # The producer serves others as before.
     other = Reader.remote()
     assert ray.get(other.read.remote([p.value.remote("dtypes")], transport, 60))["ok"]
