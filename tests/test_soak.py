@@ -70,6 +70,8 @@ def test_soak_stays_flat(ray_session):
     print(f"SOAK after warm-up {warm}")
     print(f"SOAK last          {last}")
     print(f"SOAK peak growth   {growth}")
+    mib = {k: [round(s[k] / 2**20, 1) for s in samples] for k in ("producer_rss", "consumer_rss")}
+    print(f"SOAK rss series (MiB) {mib}")
     assert growth["producer_rss"] < RSS_SLACK, samples
     assert growth["consumer_rss"] < RSS_SLACK, samples
     assert growth["producer_fds"] <= FD_SLACK, samples
