@@ -173,12 +173,14 @@ class Reader:
             values = rd.get(refs, timeout=timeout, tensor_transport=transport)
         except Exception as exc:
             return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
-        self.kept = values
+        self.kept.extend(values)
         return {"ok": True, "summary": [_summary(v) for v in values]}
 
     def check_kept(self, case: str) -> str | None:
         """The copies read earlier, still intact (after their producer died, say)."""
-        return next((p for v in self.kept if (p := check_value(case, v))), None)
+        return next(
+            (p for v in self.kept if isinstance(v, dict) and (p := check_value(case, v))), None
+        )
 
     def drop(self) -> None:
         self.kept = []
