@@ -27,7 +27,6 @@ from hypothesis import strategies as st
 from ray import cloudpickle
 
 import raydirect as rd
-from raydirect._tensors import flat_bytes
 from raydirect.testing import mismatch
 
 TRANSPORTS = ["cma", "shm", "tcp", "gloo"]
@@ -128,22 +127,7 @@ def tensors(draw: st.DrawFn) -> torch.Tensor:
         t = t[t.shape[0] - 1]
     elif view == "permute" and t.dim() == 3:
         t = t.permute(2, 0, 1)
-    return _avoid_known_bug(t)
-
-
-def _avoid_known_bug(t: torch.Tensor) -> torch.Tensor:
-    # See test_one_element_strided_view below: a known bug, kept out of the property.
-    return t.clone() if _one_strided_element(t) else t
-
-
-def _one_strided_element(t: torch.Tensor) -> bool:
-    """Empty or one-element tensors whose flattened stride is not 1 (x[::2] of a
-    2-element tensor, an empty expand): what the known bug trips on."""
-    try:
-        flat_bytes(t)
-    except RuntimeError:
-        return True
-    return False
+    return t
 
 
 @st.composite
@@ -152,12 +136,11 @@ def values(draw: st.DrawFn) -> list[Any]:
     view of another pool member) recurs within and across values."""
     pool: list[Any] = draw(st.lists(tensors(), min_size=1, max_size=6))
     for i in draw(st.lists(st.integers(0, len(pool) - 1), max_size=2)):
-        # numpy has no bfloat16; 0-d arrays: see test_zero_d_numpy_array (a known bug)
-        if pool[i].dtype != torch.bfloat16 and pool[i].dim() > 0:
+        if pool[i].dtype != torch.bfloat16:  # numpy has no bfloat16
             pool.append(pool[i].numpy())
     base = pool[0]
     if base.dim() >= 1 and base.shape[0] > 1:
-        pool.append(_avoid_known_bug(base[1:]))  # a view of a pool member, sent beside it
+        pool.append(base[1:])  # a view of a pool member, sent beside it
     leaf = st.one_of(
         st.sampled_from(range(len(pool))).map(lambda i: pool[i]),
         st.integers(),
@@ -207,28 +190,16 @@ def test_every_transport_was_used(sides):
         assert received.get(transport, 0) > 0, (transport, received)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=ray.exceptions.RayTaskError,
-    reason="_tensors.flat_bytes views an empty or one-element tensor whose stride is not 1 "
-    "(x[::2] of a 2-element tensor) as bytes and torch refuses; the fix belongs in "
-    "_tensors.py: t.as_strided((t.numel(),), (1,)) instead of t.reshape(-1)",
-)
 def test_one_element_strided_view(sides):
+    """Found by the property test: flat bytes of x[::2] of a 2-element tensor."""
     producer, consumer = sides
     t = torch.arange(2.0)[::2]
-    assert _one_strided_element(t)
     refs = ray.get(producer.put_all.remote([t], ["tcp"]), timeout=60)
     assert ray.get(consumer.check_all.remote([t], refs), timeout=60) == [None]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="_tensors.as_tensor packs numpy arrays with np.ascontiguousarray, which returns "
-    "at least 1-d: a 0-d array arrives with shape (1,); the fix belongs in _tensors.py "
-    "(np.require(obj, requirements='C') keeps 0-d)",
-)
 def test_zero_d_numpy_array(sides):
+    """Found by the property test: np.ascontiguousarray made 0-d arrays 1-d."""
     producer, consumer = sides
     value = {"scalar": np.array(3.5, dtype=np.float32), "tensor": torch.ones(2)}
     refs = ray.get(producer.put_all.remote([value], ["tcp"]), timeout=60)
