@@ -338,7 +338,6 @@ class Agent:
         got = request.get("auth") if isinstance(request, dict) else None
         return isinstance(got, str) and hmac.compare_digest(got.encode(), expected.encode())
 
-
     @staticmethod
     def _send_prepared(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
         """Metadata prepared in the background, once ready (the consumer waits for it)."""
