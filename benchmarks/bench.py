@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # rdbench, also for Ra
 
 import ray  # noqa: E402
 from rdbench.common import (  # noqa: E402
+    DEFAULT_GROUPS,
     GROUPS,
     LARGE_REPEATS_FROM,
     MIB,
@@ -79,8 +80,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--groups",
-        default=",".join(GROUPS),
-        help=f"which families of rows to run [all: {','.join(GROUPS)}]",
+        default=",".join(DEFAULT_GROUPS),
+        help=f"which families of rows to run, of {','.join(GROUPS)} "
+        f"[default: {','.join(DEFAULT_GROUPS)}; nixl rows run in a run of their own]",
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
     parser.add_argument("--sizes", help=f"workload 1: comma-separated sizes {default('sizes')}")
@@ -185,7 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=repeats,
         state_bytes=args.state_bytes,
         consumers=args.consumer_list,
-        sync_steps=args.sync_steps or DEFAULTS["sync_steps"][1 if args.quick else 0],
+        sync_steps=int(args.sync_steps or DEFAULTS["sync_steps"][1 if args.quick else 0]),
         round_trips=args.round_trip_count,
         part_bytes=args.part_bytes,
         driver_bytes=args.driver_bytes,

@@ -13,6 +13,7 @@ import ray
 import raydirect as rd
 from rdbench.actors import Consumer, Producer, RdtConsumer, RdtProducer
 from rdbench.common import (
+    GROUP_NIXL,
     GROUP_RAY,
     GROUP_RAYDIRECT,
     GROUP_RDT,
@@ -82,11 +83,11 @@ class Context:
         to import torch, and in parallel those seconds overlap."""
         cfg = self.config
         consumers = max(cfg.consumers) if 2 in cfg.workloads else 1
-        if cfg.wants(GROUP_RDT) and set(cfg.workloads) & {1, 2, 3, 5}:
+        if (cfg.wants(GROUP_RDT) or cfg.wants(GROUP_NIXL)) and set(cfg.workloads) & {1, 2, 3, 5}:
             log(f"starting RDT's producer and {consumers} consumer(s)")
             self._rdt_actors = [RdtProducer.remote()]
             self._rdt_actors += [RdtConsumer.remote() for _ in range(consumers)]
-        if cfg.wants(GROUP_RAYDIRECT) or cfg.wants(GROUP_RAY):
+        if cfg.wants(GROUP_RAYDIRECT) or cfg.wants(GROUP_RAY) or cfg.wants(GROUP_NIXL):
             producers = PRODUCERS_W4 if 4 in cfg.workloads else 1
             self.producers(producers, wait=False)
             self.consumers(consumers, wait=False)

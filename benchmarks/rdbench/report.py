@@ -12,7 +12,7 @@ import ray
 import torch
 
 import raydirect as rd
-from rdbench.common import THP_ENV, Row, Workload, format_size
+from rdbench.common import RDT_NIXL, THP_ENV, Row, Workload, format_size
 
 PLOT_INSTALL = "pip install 'raydirect[bench]'  (in a checkout: ./dev pip install -e '.[bench]')"
 
@@ -86,7 +86,10 @@ def render_table(workload: Workload, rows: Sequence[Row]) -> str:
     if unit != "us":
         headers.append("median ms")
     word = "time vs" if unit == "us" else "vs"
-    headers += [f"{word} {b}" for b in workload.baselines]
+    # Only baselines this run measured (a nixl-only run compares with RDT over NIXL).
+    present = {r.system for r in rows if r.error is None and r.skipped is None}
+    baselines = [b for b in (*workload.baselines, RDT_NIXL) if b in present]
+    headers += [f"{word} {b}" for b in baselines]
     by_key = {(r.system, r.param): r for r in rows}
     lines: list[list[str]] = []
     for row in rows:
@@ -109,7 +112,7 @@ def render_table(workload: Workload, rows: Sequence[Row]) -> str:
             times = row.times_s
             ms = statistics.median(times) * 1e3 if times else None
             cells.append("-" if ms is None else f"{ms:.1f}" if ms >= 1 else f"{ms:.2g}")
-        cells += [_ratio(row, by_key.get((b, row.param))) for b in workload.baselines]
+        cells += [_ratio(row, by_key.get((b, row.param))) for b in baselines]
         lines.append(cells)
     # An n/a message sets no column width: its row is left unaligned.
     full = [line for line in lines if len(line) == len(headers)]

@@ -26,6 +26,7 @@ from rdbench.common import (
     FLOOR_FRESH,
     FLOOR_REUSED,
     GROUP_FLOORS,
+    GROUP_NIXL,
     GROUP_RAY,
     GROUP_RAYDIRECT,
     GROUP_RDT,
@@ -107,7 +108,12 @@ def actor_to_actor(ctx: Context) -> list[Row]:
         rows.append(r)
         return r
 
-    if cfg.wants(GROUP_RAYDIRECT):
+    transports = [
+        t
+        for t in RAYDIRECT_TRANSPORTS
+        if cfg.wants(GROUP_NIXL if t == "nixl" else GROUP_RAYDIRECT)
+    ]
+    if transports:
         producer, consumer = ctx.raydirect_pair()
         nixl_missing = raydirect_nixl_missing()
         for n in sizes:
@@ -117,15 +123,16 @@ def actor_to_actor(ctx: Context) -> list[Row]:
                     getattr(producer, f"one_{t}").remote,
                     nixl_missing if t == "nixl" else None,
                 )
-                for t in RAYDIRECT_TRANSPORTS
+                for t in transports
             ]
             pair_rows(producer, consumer, systems)
     if cfg.wants(GROUP_RAY):
         producer, consumer = ctx.producers(1)[0], ctx.consumers(1)[0]
         for n in sizes:
             pair_rows(producer, consumer, [(row(OBJECT_STORE, n), producer.one.remote, None)])
-    if cfg.wants(GROUP_RDT):
-        rdt_rows = {n: (row(RDT_GLOO, n), row(RDT_NIXL, n)) for n in sizes}
+    rdt_systems = [s for s, g in ((RDT_GLOO, GROUP_RDT), (RDT_NIXL, GROUP_NIXL)) if cfg.wants(g)]
+    if rdt_systems:
+        rdt_rows = {n: [row(s, n) for s in rdt_systems] for n in sizes}
         actors = rdt_ready(ctx, [r for pair in rdt_rows.values() for r in pair])
         if actors:
             producer, consumer = actors[0], actors[1][0]
@@ -133,12 +140,9 @@ def actor_to_actor(ctx: Context) -> list[Row]:
             def nixl(name: str) -> Any:
                 return producer.one.options(tensor_transport="nixl").remote(name)
 
-            for gloo_row, nixl_row in rdt_rows.values():
-                pair_rows(
-                    producer,
-                    consumer,
-                    [(gloo_row, producer.one.remote, None), (nixl_row, nixl, rdt_nixl_missing())],
-                )
+            calls = {RDT_GLOO: (producer.one.remote, None), RDT_NIXL: (nixl, rdt_nixl_missing())}
+            for family in rdt_rows.values():
+                pair_rows(producer, consumer, [(r, *calls[r.system]) for r in family])
     if cfg.wants(GROUP_FLOORS):
         log("w1 floors: in-process copies in the driver")
         for n in sizes:
@@ -216,7 +220,7 @@ WEIGHT_SYNC_SYSTEMS = [
     WeightSyncSystem(OBJECT_STORE, GROUP_RAY, "state"),
     WeightSyncSystem(RDT_GLOO, GROUP_RDT, "state", rdt=True),
     WeightSyncSystem(
-        RDT_NIXL, GROUP_RDT, "state", rdt=True, rdt_transport="nixl", missing=rdt_nixl_missing
+        RDT_NIXL, GROUP_NIXL, "state", rdt=True, rdt_transport="nixl", missing=rdt_nixl_missing
     ),
 ]
 
@@ -315,7 +319,7 @@ SMALL_SYSTEMS = [
     SmallSystem(raydirect_system("cma"), GROUP_RAYDIRECT, "small_cma", read="rd.get"),
     SmallSystem(PLAIN_CALL, GROUP_RAY, "small"),
     SmallSystem(RDT_GLOO, GROUP_RDT, "small"),
-    SmallSystem(RDT_NIXL, GROUP_RDT, "small", rdt_transport="nixl", missing=rdt_nixl_missing),
+    SmallSystem(RDT_NIXL, GROUP_NIXL, "small", rdt_transport="nixl", missing=rdt_nixl_missing),
     SmallSystem(raydirect_system("auto") + VIA_DRIVER, GROUP_RAYDIRECT, "small_auto", True),
     SmallSystem(PLAIN_CALL + VIA_DRIVER, GROUP_RAY, "small", True),
     SmallSystem(RDT_GLOO + VIA_DRIVER, GROUP_RDT, "small", True),
@@ -341,7 +345,7 @@ def small_objects(ctx: Context) -> list[Row]:
         rows.append(row)
         if skip(row, spec.missing()):
             continue
-        if spec.group == GROUP_RDT:
+        if spec.group == GROUP_RDT or spec.rdt_transport:
             actors = rdt_ready(ctx, [row])
             if actors is None:
                 continue
@@ -365,7 +369,9 @@ def small_objects(ctx: Context) -> list[Row]:
             log(f"{where}: median {row.median():.0f} us per round trip")
         except Exception as exc:
             reason = describe_error(exc)
-            if spec.group == GROUP_RDT and "does not have tensor transport" in reason:
+            if spec.rdt_transport is None and spec.group == GROUP_RDT and (
+                "does not have tensor transport" in reason
+            ):
                 skip(
                     row,
                     "an actor cannot call an RDT Gloo method (Ray looks the group up in "
@@ -502,27 +508,31 @@ def to_driver(ctx: Context) -> list[Row]:
             for r, method, read in chosen:
                 make = getattr(producer, method).remote
                 measure(r, producer, functools.partial(make, "x"), read)
-    if cfg.wants(GROUP_RDT):
-        gloo = row(RDT_GLOO)
-        fallback = row(RDT_GLOO + ", _use_object_store=True")
-        nixl = row(RDT_NIXL)
-        actors = rdt_ready(ctx, [gloo, fallback, nixl])
-        if actors and allocate([actors[0]], layout, [gloo, fallback, nixl]):
+    if cfg.wants(GROUP_RDT) or cfg.wants(GROUP_NIXL):
+        gloo = row(RDT_GLOO) if cfg.wants(GROUP_RDT) else None
+        fallback = row(RDT_GLOO + ", _use_object_store=True") if gloo else None
+        nixl = row(RDT_NIXL) if cfg.wants(GROUP_NIXL) else None
+        family = [r for r in (gloo, fallback, nixl) if r is not None]
+        actors = rdt_ready(ctx, family)
+        if actors and allocate([actors[0]], layout, family):
             producer = actors[0]
-            refusal = rdt_driver_refusal(producer)
-            if refusal is None:
+            refusal = rdt_driver_refusal(producer) if gloo else None
+            if gloo is None or fallback is None:
+                pass
+            elif refusal is None:
                 measure(gloo, producer, lambda: producer.one.remote("x"), ray_get)
             elif "two-sided" in refusal:  # by design: say so, do not count it as a failure
                 skip(gloo, f"RDT cannot deliver a Gloo object to the driver; Ray says {refusal}")
             else:
                 gloo.error = refusal
-            measure(
-                fallback,
-                producer,
-                lambda: producer.one.remote("x"),
-                via_object_store,
-            )
-            if not skip(nixl, rdt_nixl_missing()):
+            if fallback is not None:
+                measure(
+                    fallback,
+                    producer,
+                    lambda: producer.one.remote("x"),
+                    via_object_store,
+                )
+            if nixl is not None and not skip(nixl, rdt_nixl_missing()):
                 make = producer.one.options(tensor_transport="nixl").remote
                 measure(nixl, producer, lambda: make("x"), ray_get)
     ctx.release()
