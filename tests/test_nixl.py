@@ -132,8 +132,11 @@ def test_freed_objects_release_registrations(ray_session):
 def test_one_storage_registered_once_and_kept_while_used(ray_session):
     p, c = patched(actors.Producer.remote()), patched(actors.Consumer.remote())
     first, second = ray.get(p.__ray_call__.remote(_put_kept_twice))
-    count, nbytes = ray.get(p.__ray_call__.remote(_registrations))
-    assert (count, nbytes) == (1, (1 << 16) * 4)  # two objects, one storage, one registration
+    # Two objects, one storage, one registration (made on the preparation thread).
+    wait_for(
+        lambda: ray.get(p.__ray_call__.remote(_registrations)) == (1, (1 << 16) * 4),
+        what="one registration for both objects",
+    )
     del first
     wait_for(lambda: ray.get(p.stats.remote()).num_objects == 1, what="first object freed")
     assert ray.get(p.__ray_call__.remote(_registrations)) == (1, (1 << 16) * 4)
