@@ -50,6 +50,8 @@ from rdbench.report import (  # noqa: E402
 )
 from rdbench.workloads import WORKLOADS  # noqa: E402
 
+from raydirect.transports.shm import sweep_after_shutdown  # noqa: E402
+
 DEFAULTS = {  # option -> (full run, --quick)
     "sizes": ("4KiB,1MiB,64MiB,512MiB,1GiB", "4KiB,1MiB,64MiB"),
     "state_size": ("256MiB", "32MiB"),
@@ -157,19 +159,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def sweep_segments_of_stopped_workers(timeout: float = 10.0) -> None:
-    """The shutdown killed the workers, which cannot unlink their shared-memory
-    segments (the shm rows): remove them once the processes are gone."""
-    from raydirect.transports.shm import PREFIX, SHM_DIR, sweep_dead_segments
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sweep_dead_segments()
-        if not any(name.startswith(PREFIX) for name in os.listdir(SHM_DIR)):
-            return
-        time.sleep(0.1)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
 
@@ -221,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ctx.close()
     finally:
         ray.shutdown()
-        sweep_segments_of_stopped_workers()
+        sweep_after_shutdown()
     elapsed = time.perf_counter() - started
     rows = order_rows(rows)
     chosen = [WORKLOADS[n] for n in config.workloads]

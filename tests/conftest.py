@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
 
 import pytest
 import ray
 from ray import cloudpickle
 
 from raydirect._producer import INLINE_ENV
-from raydirect.transports.shm import sweep_dead_segments
+from raydirect.transports.shm import sweep_after_shutdown
 
 import actors
-from helpers import shm_segments
 from plugin_transports import SHM_DIR, plugin_files
 
 # Workers cannot import the tests directory: ship the helper actors by value.
@@ -44,10 +42,7 @@ def _leave_no_files_behind() -> None:
     """Workers killed by the shutdown cannot unlink their segments: sweep them once
     they are gone (what the next raydirect process on a node does), and remove the
     files of the test plug-in transports."""
-    deadline = time.monotonic() + 30
-    while shm_segments() and time.monotonic() < deadline:
-        sweep_dead_segments()
-        time.sleep(0.1)
+    sweep_after_shutdown(timeout=30)
     for name in plugin_files():
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(SHM_DIR, name))

@@ -8,7 +8,6 @@ and prints what it measured.
 from __future__ import annotations
 
 import logging
-import os
 import statistics
 import sys
 import time
@@ -18,6 +17,7 @@ import ray
 import torch
 
 import raydirect as rd
+from raydirect.transports.shm import sweep_after_shutdown
 
 MiB = 1 << 20
 SIZES = (1 * MiB, 64 * MiB, 256 * MiB)
@@ -132,17 +132,4 @@ def run_demo(quick: bool = False) -> int:
         return 0
     finally:
         ray.shutdown()
-        _sweep_segments_of_stopped_workers()
-
-
-def _sweep_segments_of_stopped_workers(timeout: float = 10.0) -> None:
-    """The shutdown killed the workers, which cannot unlink their shared-memory
-    segments: remove them once the processes are gone."""
-    from raydirect.transports.shm import PREFIX, SHM_DIR, sweep_dead_segments
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        sweep_dead_segments()
-        if not any(name.startswith(PREFIX) for name in os.listdir(SHM_DIR)):
-            return
-        time.sleep(0.1)
+        sweep_after_shutdown()

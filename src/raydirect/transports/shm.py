@@ -20,6 +20,7 @@ import logging
 import mmap
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -140,6 +141,20 @@ class SegmentPool:
     def unlink_all(self) -> None:
         for name in self.segment_names():
             self._unlink(name)
+
+
+def sweep_after_shutdown(timeout: float = 10.0) -> None:
+    """After ``ray.shutdown()`` killed this node's workers, which could not unlink
+    their segments: remove those segments once the processes are gone (what the
+    next raydirect process on the node would do), waiting up to ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        sweep_dead_segments()
+        if not any(name.startswith(PREFIX) for name in os.listdir(SHM_DIR)):
+            return
+        if time.monotonic() >= deadline:
+            return
+        time.sleep(0.1)  # the killed workers are still exiting
 
 
 def sweep_dead_segments(pid: int | None = None) -> int:
