@@ -56,14 +56,17 @@ def fd_baseline(*pids: int) -> dict[int, dict[str, str]]:
     return {pid: fd_targets(pid) for pid in pids}
 
 
-def fds_back(baseline: dict[int, dict[str, str]]) -> Callable[[], str | None]:
-    """No surviving process holds more fds than at ``baseline`` (see ``fd_baseline``)."""
+def fds_back(
+    baseline: dict[int, dict[str, str]], slack: int = 0
+) -> Callable[[], str | None]:
+    """No surviving process holds more fds than at ``baseline`` (see ``fd_baseline``),
+    give or take ``slack``."""
 
     def problem() -> str | None:
         grown = {}
         for pid, before in baseline.items():
             now = fd_targets(pid)
-            if len(now) > len(before):
+            if len(now) > len(before) + slack:
                 new = sorted(t for fd, t in now.items() if before.get(fd) != t)
                 grown[pid] = f"{len(before)} -> {len(now)}, new: {new}"
         return f"open fds grew: {grown}" if grown else None
