@@ -163,10 +163,7 @@ def rdt_ready(ctx: Context, rows: Sequence[Row]) -> tuple[Any, list[Any]] | None
     try:
         return ctx.rdt()
     except Exception as exc:
-        reason = f"RDT setup failed: {describe_error(exc)}"
-        log(reason)
-        for row in rows:
-            row.error = reason
+        _fail(rows, f"RDT setup failed: {describe_error(exc)}")
         return None
 
 
@@ -175,11 +172,15 @@ def allocate(producers: Sequence[Any], layout: Layout, rows: Sequence[Row]) -> b
         ray.get([p.allocate.remote(layout) for p in producers], timeout=SETUP_TIMEOUT_S)
         return True
     except Exception as exc:
-        reason = f"producer setup failed: {describe_error(exc)}"
-        log(reason)
-        for row in rows:
-            row.error = reason
+        _fail(rows, f"producer setup failed: {describe_error(exc)}")
         return False
+
+
+def _fail(rows: Sequence[Row], reason: str) -> None:
+    """Mark every row of a family failed, once, with the setup step's reason."""
+    log(reason)
+    for row in rows:
+        row.error = reason
 
 
 def skip(row: Row, reason: str | None) -> bool:
