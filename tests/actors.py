@@ -410,3 +410,43 @@ def hint_plain(self: Any, refs: list[ray.ObjectRef]) -> str:
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return "no error"
+
+
+def flat_read(self: Any, refs: list[ray.ObjectRef], case: str, as_tuple: bool) -> dict[str, Any]:
+    """Ray's set_target_for_ref form: one target per tensor of the value, in order."""
+    targets = empty_like_value(make_value(case))
+    flat = list(targets.values())
+    got = rd.get(refs[0], into=tuple(flat) if as_tuple else flat)
+    same = all(got[k] is targets[k] for k in targets)
+    return {"problem": check_value(case, got), "targets_returned": same}
+
+
+def agent_address(self: Any) -> str:
+    """This process's agent address (started if need be)."""
+    from raydirect import _runtime
+
+    return _runtime.agent().address
+
+
+def held_objects(self: Any, transport: str) -> dict[str, str]:
+    """Object id -> capability (hex) of what this process holds for ``transport``."""
+    from raydirect._store import store
+
+    objects = list(store._objects.items())
+    return {k.hex(): o.capability.hex() for k, o in objects if o.transport == transport}
+
+
+def break_dispatch_once(self: Any) -> None:
+    """Make the agent's dispatch raise once, as a bug would."""
+    from raydirect import _server
+
+    real = _server._peek_op
+    calls: list[int] = []
+
+    def broken(frame: Any) -> str:
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("a bug in the agent's dispatch")
+        return real(frame)
+
+    _server._peek_op = broken

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import secrets
 import threading
 import time
@@ -24,8 +25,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import raydirect as rd
-from raydirect import _agent
-from raydirect._payload import ProducerInfo
+from raydirect import _consumer, _process, _wire
+from raydirect._payload import PREPARING, Payload, ProducerInfo
 from raydirect.transports.base import PeerMetadata, TensorTransportMetadata
 from raydirect.transports.registry import transport_instance
 
@@ -43,7 +44,7 @@ def producer(ray_session) -> Iterator[tuple[Any, str]]:
     p = Producer.remote()
     address = ray.get(
         p.__ray_call__.remote(
-            lambda self: __import__("raydirect._agent", fromlist=["agent"]).agent().address
+            lambda self: __import__("raydirect._runtime", fromlist=["agent"]).agent().address
         )
     )
     yield p, address
@@ -58,7 +59,7 @@ def _dealer(address: str) -> zmq.Socket:
 
 
 def _with_auth(fields: dict[str, Any]) -> bytes:
-    proof = _agent.auth_proof()
+    proof = _wire.auth_proof()
     return json.dumps({**fields, **({"auth": proof} if proof else {})}).encode()
 
 
@@ -212,7 +213,7 @@ def _receive(address: str, transport: str, sizes: list[int], timeout: float) -> 
         agent_address=address,
         node_id="another-node",  # no pid watch: the fake is not a Ray worker
         pid=os.getpid(),
-        start_time=_agent.START_TIME,
+        start_time=_process.START_TIME,
         process_token=secrets.token_bytes(16),
         label="Fake.agent",
     )
@@ -368,3 +369,85 @@ def test_shm_segment_smaller_than_claimed_is_rejected(ray_session, tmp_path):
     finally:
         fake.stop()
         os.unlink(path)
+
+
+# ------------------------------------------- metadata replies never carry pickle
+
+
+class _Trap:
+    """Unpickling this creates a file: proof that a reply was unpickled."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def _meta_of(address: str, transport: str) -> Any:
+    """What the consumer makes of a ``meta`` reply from the (fake) agent at ``address``."""
+    producer = ProducerInfo(
+        agent_address=address,
+        node_id="another-node",
+        pid=os.getpid(),
+        start_time=_process.START_TIME,
+        process_token=secrets.token_bytes(16),
+        label="Fake.agent",
+    )
+    payload = Payload(
+        obj_id=secrets.token_bytes(16),
+        capability=secrets.token_bytes(16),
+        skeleton=b"",
+        handles=[],
+        metas=[],
+        transport=transport,
+        producer=producer,
+        transport_meta={transport: PREPARING},
+    )
+    return _consumer._transport_meta(payload, transport, time.monotonic() + 20)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "reply",
+    [
+        "pickle frame",  # what raydirect's agent sent before: cloudpickle in a frame
+        "pickle as bytes",  # a pickle where the codec puts byte strings
+        "unknown class",
+    ],
+)
+def test_a_metadata_reply_is_never_unpickled(ray_session, tmp_path, reply):
+    trap = str(tmp_path / "unpickled")
+    evil = pickle.dumps(_Trap(trap))
+    messages = {
+        "pickle frame": [[_header(ok=True), evil]],
+        "pickle as bytes": [[_header(ok=True, meta={"__bytes__": 0}), evil]],
+        "unknown class": [
+            [_header(ok=True, meta={"__dataclass__": "os:system", "fields": {"command": "x"}})]
+        ],
+    }[reply]
+    fake = FakeAgent(messages)
+    try:
+        if reply == "pickle as bytes":
+            assert _meta_of(fake.address, "pickle_shm") == evil  # just bytes, never loaded
+        else:
+            with pytest.raises(rd.TransferError, match="corrupt metadata"):
+                _meta_of(fake.address, "pickle_shm")
+    finally:
+        fake.stop()
+    assert not os.path.exists(trap)
+
+
+def test_plugin_metadata_round_trips_without_pickle():
+    from plugin_transports import PickleShmMetadata
+
+    meta = PickleShmMetadata(
+        tensor_meta=[(torch.Size([2, 3]), torch.bfloat16), ((), torch.bool)],
+        tensor_device="cpu",
+        extra={"blob": b"\x00\xff", 3: (1, 2.5, None)},
+        path="/dev/shm/rdplug-x",
+    )
+    frames: list[bytes] = []
+    data = json.loads(json.dumps(_wire.encode_value(meta, frames)))  # what the wire carries
+    back = _wire.decode_value(data, frames, _consumer._metadata_classes())
+    assert back == meta and type(back) is PickleShmMetadata

@@ -48,3 +48,12 @@ def test_a_named_transport_is_never_inlined(inline_pair):
     ref = p.value_tcp.remote("dtypes")
     assert ray.get(c.check.remote("dtypes", ref)) is None
     assert ray.get(c.stats.remote()).objects_received.get("tcp") == 1
+
+
+def test_an_inlined_ref_passed_back_to_its_producer_is_the_same_tensor(inline_pair):
+    p, _ = inline_pair
+    ref = p.keep.remote("inline", 1000)  # 4 KB: travels inline
+    assert _held(p) == 0  # inlined, not held as a direct object
+    assert ray.get(p.is_kept.remote("inline", ref)) is True
+    # Elsewhere it is a copy of the same values, as for any value.
+    assert ray.get(ref).tolist() == list(range(1000))

@@ -42,9 +42,19 @@ def _targets(**changes):
         (_targets(extra=torch.empty(3)), "into['extra'] has no counterpart"),
         (_targets(f32="not a tensor"), "must be a tensor or numpy array"),
         (torch.empty(3), "the object holds 11 tensors"),
-        ([torch.empty(3)], "into is list, but the value has a mapping"),
+        ([torch.empty(3)], "fits neither form: the value is a dict"),
+        ([torch.empty(3)] * 12, "or a flat list of 11 tensors"),
     ],
-    ids=["shape", "dtype", "non-contiguous", "extra-key", "not-a-tensor", "one-tensor", "list"],
+    ids=[
+        "shape",
+        "dtype",
+        "non-contiguous",
+        "extra-key",
+        "not-a-tensor",
+        "one-tensor",
+        "list-of-1",
+        "list-of-12",
+    ],
 )
 def test_mismatching_targets_are_refused_before_any_byte_moves(pair, targets, expected):
     p, c = pair
@@ -57,6 +67,16 @@ def test_mismatching_targets_are_refused_before_any_byte_moves(pair, targets, ex
         "problem": None,
         "targets_returned": True,
     }
+
+
+@pytest.mark.parametrize("as_tuple", [False, True], ids=["list", "tuple"])
+@pytest.mark.parametrize("case", ["dtypes", "params"])
+def test_a_flat_list_of_targets_as_ray_takes_it(pair, case, as_tuple):
+    """rd.get(ref, into=list(params.values())) on a dict of tensors (Ray's form)."""
+    p, c = pair
+    ref = p.value.remote(case)
+    result = ray.get(c.__ray_call__.remote(actors.flat_read, [ref], case, as_tuple))
+    assert result == {"problem": None, "targets_returned": True}
 
 
 def test_partial_targets_receive_the_rest_as_usual(pair):

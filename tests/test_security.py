@@ -11,7 +11,7 @@ import torch
 import zmq
 
 import raydirect as rd
-from raydirect import _agent
+from raydirect import _wire
 
 from actors import Producer, check_value
 from helpers import wait_for
@@ -20,7 +20,7 @@ from helpers import wait_for
 def agent_address(actor) -> str:
     return ray.get(
         actor.__ray_call__.remote(
-            lambda self: __import__("raydirect._agent", fromlist=["agent"]).agent().address
+            lambda self: __import__("raydirect._runtime", fromlist=["agent"]).agent().address
         )
     )
 
@@ -38,7 +38,7 @@ _CONTEXT = zmq.Context()
 
 def request(**fields: object) -> bytes:
     """A request as a raydirect process would send it (with the cluster token's proof)."""
-    proof = _agent.auth_proof()
+    proof = _wire.auth_proof()
     return json.dumps({**fields, **({"auth": proof} if proof else {})}).encode()
 
 
@@ -84,7 +84,7 @@ def test_requests_without_the_right_capability_are_refused(producer):
         assert reply["ok"] is False and reply["kind"] == "bad_request"
     # Valid JSON that cannot carry the cluster token's proof.
     reply = ask(address, b"[1, 2]")
-    assert reply["kind"] == ("unauthenticated" if _agent.auth_proof() else "bad_request")
+    assert reply["kind"] == ("unauthenticated" if _wire.auth_proof() else "bad_request")
     # The agent survived all of it and still serves the real holder of the ref.
     assert rd.get(ref, timeout=30, tensor_transport="tcp").tolist() == list(range(1000))
     assert check_value("dtypes", rd.get(producer.value.remote("dtypes"), timeout=30)) is None
@@ -198,15 +198,15 @@ def test_ray_token_auth_is_required_by_the_agent(producer):
     """Ray 2.60 turns token auth on for a local ray.init() (RAY_AUTH_MODE=token; the
     token in ~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH). Then our
     agent refuses any request without a proof of that token."""
-    if _agent.auth_proof() is None:
+    if _wire.auth_proof() is None:
         pytest.skip("Ray token authentication is off in this session (RAY_AUTH_MODE)")
     address = agent_address(producer)
     worker_proof = ray.get(
         producer.__ray_call__.remote(
-            lambda self: __import__("raydirect._agent", fromlist=["x"]).auth_proof()
+            lambda self: __import__("raydirect._wire", fromlist=["x"]).auth_proof()
         )
     )
-    assert worker_proof == _agent.auth_proof()  # every process of the cluster derives it
+    assert worker_proof == _wire.auth_proof()  # every process of the cluster derives it
     token = ray._raylet.AuthenticationTokenLoader.instance().get_raw_token()
     assert token not in worker_proof  # requests carry a digest of the token, never the token
     ref = producer.keep.remote("token")
@@ -224,15 +224,15 @@ def test_ray_token_auth_is_required_by_the_agent(producer):
 
 
 def test_a_process_without_the_token_sees_a_clear_error(producer):
-    if _agent.auth_proof() is None:
+    if _wire.auth_proof() is None:
         pytest.skip("Ray token authentication is off in this session (RAY_AUTH_MODE)")
     ref = producer.value_tcp.remote("dtypes")
     ray.wait([ref])
-    original = _agent.auth_proof
-    _agent.auth_proof = lambda: secrets.token_hex(32)  # as a process of another cluster
+    original = _wire.auth_proof
+    _wire.auth_proof = lambda: secrets.token_hex(32)  # as a process of another cluster
     try:
         with pytest.raises(rd.TransferError, match="refused this process.*cluster's token"):
             rd.get(ref, timeout=30, tensor_transport="tcp")
     finally:
-        _agent.auth_proof = original
+        _wire.auth_proof = original
     assert check_value("dtypes", rd.get(ref, timeout=30, tensor_transport="tcp")) is None

@@ -5,6 +5,7 @@ producer, Ray hands out an ordinary ``ObjectRef``, and whoever consumes the ref
 receives the bytes straight from the producer.
 """
 
+from raydirect import _metrics  # noqa: F401  (registers the Ray metrics exporter)
 from raydirect._api import (
     get,
     get_async,
@@ -15,7 +16,7 @@ from raydirect._api import (
     wait_tensor_freed,
 )
 from raydirect._broadcast import broadcast
-from raydirect._groups import create_collective_group, destroy_collective_group
+from raydirect._group_api import create_collective_group, destroy_collective_group
 from raydirect._store import LocalStats
 from raydirect.errors import (
     FetchTimeoutError,

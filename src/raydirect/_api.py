@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
@@ -15,11 +16,11 @@ from typing import Any, TypeVar, overload
 import ray
 
 from raydirect import _ray
-from raydirect._fetch import fetch_value
-from raydirect._payload import PendingFetch, deferred
+from raydirect._consumer import fetch_value
+from raydirect._into import match, set_hint
+from raydirect._payload import PendingFetch, get_deferred
 from raydirect._producer import export
 from raydirect._store import LocalStats, store
-from raydirect._targets import match, set_hint
 from raydirect.errors import FetchTimeoutError
 from raydirect.transports.registry import AUTO, check_name
 
@@ -29,11 +30,12 @@ _FETCH_THREADS = 8
 _ASYNC_THREADS = 4
 _pool: ThreadPoolExecutor | None = None
 _async_executor: ThreadPoolExecutor | None = None
+_pools_lock = threading.Lock()
 
 
 def _export_returns(wrapper: Any, value: Any, transport: str) -> Any:
     # Read at call time: @ray.method(num_returns=k) may be stacked above us.
-    num_returns = getattr(wrapper, "__ray_num_returns__", 1)
+    num_returns = _ray.declared_num_returns(wrapper)
     if isinstance(num_returns, int) and num_returns > 1:
         if not isinstance(value, Sequence) or len(value) != num_returns:
             raise ValueError(
@@ -106,20 +108,22 @@ def put(value: Any, tensor_transport: str = AUTO) -> ray.ObjectRef:
 
 def _fetch_pool() -> ThreadPoolExecutor:
     global _pool
-    if _pool is None:
-        _pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="raydirect-fetch")
-    return _pool
+    with _pools_lock:  # two callers at once must not make two pools
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="raydirect-fetch")
+        return _pool
 
 
 def _async_pool() -> ThreadPoolExecutor:
     # Separate from the fetch pool: a get running here waits on fetches there.
     global _async_executor
-    if _async_executor is None:
-        _ray.quiet_off_loop_get_warning()
-        _async_executor = ThreadPoolExecutor(
-            _ASYNC_THREADS, thread_name_prefix=_ray.OFF_LOOP_THREAD_PREFIX
-        )
-    return _async_executor
+    with _pools_lock:
+        if _async_executor is None:
+            _ray.quiet_off_loop_get_warning()
+            _async_executor = ThreadPoolExecutor(
+                _ASYNC_THREADS, thread_name_prefix=_ray.OFF_LOOP_THREAD_PREFIX
+            )
+        return _async_executor
 
 
 def get(
@@ -147,11 +151,7 @@ def get(
     ref_list = [refs] if single else list(refs)
     intos = _per_ref(into, single, len(ref_list))
     deadline = None if timeout is None else time.monotonic() + timeout
-    deferred.active = True
-    try:
-        values = ray.get(ref_list, timeout=timeout)
-    finally:
-        deferred.active = False
+    values = get_deferred(ref_list, timeout)
     pending = [i for i, v in enumerate(values) if isinstance(v, PendingFetch)]
     for i, target in enumerate(intos):
         if target is not None and i not in pending:
@@ -161,33 +161,42 @@ def get(
             )
     # Checked before any transfer starts, so a bad target moves nothing.
     targets = {i: match(values[i].payload, intos[i]) for i in pending if intos[i] is not None}
-    if len(pending) == 1:
-        i = pending[0]
-        try:
-            values[i] = fetch_value(values[i].payload, deadline, tensor_transport, targets.get(i))
-        except TimeoutError as exc:
-            raise _timeout_error(timeout, 1, [values[i]]) from exc
-    elif pending:
-        futures = {
-            i: _fetch_pool().submit(
-                fetch_value, values[i].payload, deadline, tensor_transport, targets.get(i)
-            )
-            for i in pending
-        }
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-        done, not_done = wait_futures(
-            futures.values(), timeout=remaining, return_when=FIRST_EXCEPTION
-        )
-        for fut in done:  # the first failure wins, as in ray.get
-            error = fut.exception()
-            if error is not None and not isinstance(error, TimeoutError):
-                raise error
-        late = [values[i] for i, f in futures.items() if f in not_done or f.exception()]
-        if late:
-            raise _timeout_error(timeout, len(late), late)
-        for i, fut in futures.items():
-            values[i] = fut.result()
+    fetched = _fetch_all(
+        {i: values[i] for i in pending}, targets, deadline, timeout, tensor_transport
+    )
+    for i, value in fetched.items():
+        values[i] = value
     return values[0] if single else values
+
+
+def _fetch_all(
+    pending: dict[int, PendingFetch],
+    targets: dict[int, Any],
+    deadline: float | None,
+    timeout: float | None,
+    forced: str | None,
+) -> dict[int, Any]:
+    """Every pending fetch at once, bounded by one deadline; the first failure wins."""
+    if len(pending) == 1:
+        [(i, value)] = pending.items()
+        try:
+            return {i: fetch_value(value.payload, deadline, forced, targets.get(i))}
+        except TimeoutError as exc:
+            raise _timeout_error(timeout, 1, [value]) from exc
+    futures = {
+        i: _fetch_pool().submit(fetch_value, v.payload, deadline, forced, targets.get(i))
+        for i, v in pending.items()
+    }
+    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    done, not_done = wait_futures(futures.values(), timeout=remaining, return_when=FIRST_EXCEPTION)
+    for fut in done:  # the first failure wins, as in ray.get
+        error = fut.exception()
+        if error is not None and not isinstance(error, TimeoutError):
+            raise error
+    late = [pending[i] for i, f in futures.items() if f in not_done or f.exception()]
+    if late:
+        raise _timeout_error(timeout, len(late), late)
+    return {i: fut.result() for i, fut in futures.items()}
 
 
 def _per_ref(into: Any, single: bool, count: int) -> list[Any]:
@@ -227,11 +236,7 @@ def set_target(ref: ray.ObjectRef, into: Any) -> None:
     the hint. The hint is used once."""
     if not isinstance(ref, ray.ObjectRef):
         raise TypeError(f"rd.set_target takes an ObjectRef, got {type(ref).__name__}")
-    deferred.active = True
-    try:
-        value = ray.get(ref)
-    finally:
-        deferred.active = False
+    [value] = get_deferred([ref])
     if not isinstance(value, PendingFetch):
         raise ValueError(
             "rd.set_target: this ref's value holds no raydirect tensors; only objects made "

@@ -19,6 +19,8 @@ after the others have read it (``rd.wait_tensor_freed``), or read with
 from __future__ import annotations
 
 import logging
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,7 +28,8 @@ import ray
 from ray.actor import ActorHandle
 
 from raydirect import _ray
-from raydirect._payload import PendingFetch, deferred
+from raydirect._api import get
+from raydirect._payload import PendingFetch, get_deferred
 from raydirect._producer import export
 from raydirect.transports.registry import AUTO
 
@@ -37,23 +40,31 @@ def _node_of(_actor: Any) -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-# Actor id -> node id. An actor restarted on another node only makes a relay
-# choice worse (its readers then read across nodes), never wrong.
-_node_cache: dict[str, str] = {}
+# Actor id -> node id, most recently used last, bounded. An actor restarted on
+# another node only makes a relay choice worse (its readers then read across
+# nodes), never wrong.
+_NODES_KEPT = 4096
+_node_cache: OrderedDict[str, str] = OrderedDict()
+_node_lock = threading.Lock()
 
 
 def _nodes_of(actors: list[ActorHandle], timeout: float | None) -> list[str]:
     ids = [_ray.actor_id_of(a) for a in actors]
-    unknown = {i: a for i, a in zip(ids, actors, strict=True) if i not in _node_cache}
-    if unknown:
-        found = ray.get([_ray.run_in_actor(a, _node_of) for a in unknown.values()], timeout=timeout)
+    with _node_lock:
+        unknown = {i: a for i, a in zip(ids, actors, strict=True) if i not in _node_cache}
+    found = ray.get([_ray.run_in_actor(a, _node_of) for a in unknown.values()], timeout=timeout)
+    with _node_lock:
         _node_cache.update(zip(unknown, found, strict=True))
-    return [_node_cache[i] for i in ids]
+        nodes = []
+        for i in ids:
+            _node_cache.move_to_end(i)
+            nodes.append(_node_cache[i])
+        while len(_node_cache) > _NODES_KEPT:
+            _node_cache.popitem(last=False)
+    return nodes
 
 
 def _relay(_actor: Any, boxed: list[ray.ObjectRef], timeout: float | None) -> Any:
-    from raydirect._api import get
-
     value = get(boxed[0], timeout=timeout)
     return export(value, AUTO, label=f"{_ray.current_task_label()} relay")
 
@@ -69,11 +80,7 @@ def broadcast(
     actors = list(actors)
     if not all(isinstance(a, ActorHandle) for a in actors):
         raise TypeError("rd.broadcast delivers to actors: pass a list of actor handles")
-    deferred.active = True
-    try:
-        value = ray.get(ref, timeout=timeout)
-    finally:
-        deferred.active = False
+    [value] = get_deferred([ref], timeout)
     if not isinstance(value, PendingFetch) or len(actors) < 2:
         return [ref] * len(actors)  # nothing to share: every reader reads as usual
     nodes = _nodes_of(actors, timeout)

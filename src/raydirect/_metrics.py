@@ -26,14 +26,11 @@ import logging
 import os
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import ray
 
-from raydirect import _agent, _ray
-
-if TYPE_CHECKING:
-    from raydirect._store import LocalStats
+from raydirect import _ray, _runtime
+from raydirect._store import LocalStats, store
 
 log = logging.getLogger("raydirect")
 
@@ -99,7 +96,7 @@ class Exporter:
                     done[transport] = total
 
 
-def start(stats: Callable[[], LocalStats]) -> bool:
+def start(stats: Callable[[], LocalStats] = store.stats) -> bool:
     """Start this process's observer thread, once it is connected to Ray. True once
     there is nothing left to do; False to be asked again later (not connected yet)."""
     global _thread
@@ -121,7 +118,7 @@ def _run(stats: Callable[[], LocalStats], label: str) -> None:
     try:
         # A process that only receives has no agent yet: start one (off the transfer
         # path) so that `raydirect status` lists its received counters too.
-        _agent.agent(label)
+        _runtime.agent(label)
     except Exception:
         log.debug("raydirect: could not start the agent for status", exc_info=True)
     if not enabled():
@@ -141,3 +138,8 @@ def _run(stats: Callable[[], LocalStats], label: str) -> None:
             if failures == 1:
                 log.warning("raydirect: exporting Ray metrics failed", exc_info=True)
         tick.wait(period)
+
+
+# Started by the store on this process's first object or transfer: only processes
+# that use raydirect export metrics, and only once they are connected to Ray.
+store.on_first_use(start)

@@ -9,14 +9,19 @@ identity is deduplicated here: the same tensor twice travels once and arrives
 as one tensor.
 
 Unpickling a Payload in another process is what performs the fetch: Ray calls
-``_rebuild`` wherever it deserializes the object (``ray.get``, task arguments).
+``_rebuild`` wherever it deserializes the object (``ray.get``, task arguments),
+and ``_rebuild`` hands the Payload to the fetcher the consumer layer registered
+(``set_fetcher``): this module knows values, not transports.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import pickle
 import threading
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +29,7 @@ import ray
 from ray import cloudpickle
 from ray.actor import ActorHandle
 
+from raydirect import _process
 from raydirect._tensors import TensorMeta, as_tensor, describe
 
 # Stands in ``Payload.transport_meta`` for metadata the producer still prepares
@@ -99,13 +105,80 @@ class PendingFetch:
     payload: Payload
 
 
+_fetcher: Callable[[Payload], Any] | None = None
+
+
+def set_fetcher(fetch: Callable[[Payload], Any]) -> None:
+    """Register what turns a Payload into its value in this process (the consumer
+    layer does, when it is imported; ``import raydirect`` imports it)."""
+    global _fetcher
+    _fetcher = fetch
+
+
+def get_deferred(refs: list[ray.ObjectRef], timeout: float | None = None) -> list[Any]:
+    """``ray.get`` of ``refs`` with each direct object left as a ``PendingFetch``:
+    nothing is fetched yet, so the caller can check targets and start all fetches at once."""
+    deferred.active = True
+    try:
+        return ray.get(refs, timeout=timeout)
+    finally:
+        deferred.active = False
+
+
 def _rebuild(*state: Any) -> Any:
     payload = Payload(*state)
     if deferred.active:
         return PendingFetch(payload)
-    from raydirect._fetch import fetch_value
+    if _fetcher is None:  # only if raydirect._payload was loaded without its package
+        raise RuntimeError("raydirect's consumer layer is not loaded: import raydirect")
+    return _fetcher(payload)
 
-    return fetch_value(payload)
+
+# ---------------------------------------------------------------- inline values
+#
+# A small value travels inside Ray's own reply (no lease, no agent round trip),
+# pickled whole. A ref passed back to its producer must still yield the very
+# tensors the producer holds, not copies: each tensor is remembered here by a
+# key while it lives, and a rebuild in the same process swaps the originals in.
+
+_inline_originals: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_inline_keys = itertools.count(1)
+
+
+@dataclass(slots=True)
+class InlineValue:
+    """A small value whose tensors travel with it (the ``auto`` transport inlines)."""
+
+    skeleton: bytes
+    originals: list[Any]
+    handles: list[Any]
+    keys: list[int]
+
+    @classmethod
+    def of(cls, parts: SplitValue) -> InlineValue:
+        keys = []
+        for original in parts.originals:
+            key = next(_inline_keys)
+            try:
+                _inline_originals[key] = original
+            except TypeError:  # not weakly referenceable: the producer gets a copy
+                key = 0
+            keys.append(key)
+        return cls(parts.skeleton, parts.originals, parts.handles, keys)
+
+    def __reduce__(self):
+        state = (_process.PROCESS_TOKEN, self.skeleton, self.originals, self.handles, self.keys)
+        return (_rebuild_inline, state)
+
+
+def _rebuild_inline(
+    token: bytes, skeleton: bytes, tensors: list[Any], handles: list[Any], keys: list[int]
+) -> Any:
+    if token == _process.PROCESS_TOKEN:
+        tensors = [
+            _inline_originals.get(k, t) if k else t for k, t in zip(keys, tensors, strict=True)
+        ]
+    return join(skeleton, tensors, handles)
 
 
 # ---------------------------------------------------------------- split / join

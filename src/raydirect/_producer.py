@@ -1,4 +1,13 @@
-"""Producer side: turn a value into a Payload whose tensors stay here."""
+"""Producer side: turn a value into a Payload whose tensors stay here, and serve it.
+
+``export`` keeps the value's tensors in the store and returns the Payload that
+stands for them. The ops a consumer sends about an object are served from here
+(registered with the server at import): ``fetch`` (a byte transport streams or
+stages the object), ``meta`` (metadata prepared in the background, waited for),
+``sent`` (a one-sided read finished) and ``abort`` (a plug-in transfer failed).
+When the store frees an object, every transport that set something up for it
+releases it here (``garbage_collect``).
+"""
 
 from __future__ import annotations
 
@@ -6,38 +15,46 @@ import functools
 import logging
 import os
 import secrets
+import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 import torch
 
-from raydirect import _agent, _groups, _ray
+from raydirect import _groups, _process, _ray, _runtime, _server, _wire
 from raydirect._lease import leases
-from raydirect._payload import PREPARING, Payload, ProducerInfo, split
+from raydirect._payload import PREPARING, InlineValue, Payload, ProducerInfo, SplitValue, split
+from raydirect._server import CONTROL, DATA, Reply
 from raydirect._store import StoredObject, store
 from raydirect._tensors import flat_bytes
+from raydirect.errors import TransferError
+from raydirect.transports import nixl
+from raydirect.transports.base import ByteTransport, CommunicatorMetadata
 from raydirect.transports.registry import (
     AUTO,
+    Registration,
     check_name,
     registration,
-    release_one,
     transport_instance,
 )
 
-# ``auto`` picks per consumer among these; cma's metadata (addresses) is free to
-# extract, so every object carries it.
+# ``auto`` picks per consumer among these device types.
 _AUTO_DEVICES = ("cpu", "cuda")
 # Free to extract, so every object carries them: what ``auto`` may pick in the
 # consumer without asking the producer (same-node reads, shared groups).
 _AUTO_EXTRACTED = {"cpu": ("cma", "gloo"), "cuda": ("cuda_ipc", "nccl")}
+# A consumer with no deadline waits this long for background preparation.
+_MAX_PREPARE_WAIT = 3600.0
 
 INLINE_ENV = "RAYDIRECT_INLINE_BYTES"
 DEFAULT_INLINE_BYTES = 64 << 10
 
+log = logging.getLogger("raydirect")
 _session: tuple[int, str] | None = None
 _preparation_pool: ThreadPoolExecutor | None = None
-log = logging.getLogger("raydirect")
+_pool_lock = threading.Lock()
 
 
 def inline_limit() -> int:
@@ -65,22 +82,35 @@ def _check_devices(transport: str, tensors: list[torch.Tensor], label: str) -> N
                 f"{transport!r} moves only {'/'.join(devices)} memory. Move the tensor "
                 f"(tensor.cpu()) or pick a transport for {t.device.type} memory."
             )
+    if len({t.device.type for t in tensors}) > 1:
+        raise ValueError(
+            f"{label} returned tensors on several device types; one object's "
+            "tensors must share one (return them as separate objects)"
+        )
 
 
 def _extracted(transport: str, tensors: list[torch.Tensor], plugin: bool) -> set[str]:
     """The byte transports whose metadata this object carries."""
     device = tensors[0].device.type
-    names = {n for n in _AUTO_EXTRACTED.get(device, ()) if _extracts_cheaply(n)}
+    # Group transports describe the groups this process is in: only when it is in one.
+    names = {
+        n
+        for n in _AUTO_EXTRACTED.get(device, ())
+        if n not in _groups.BACKENDS or _groups.in_live_group(n)
+    }
     if transport != AUTO and not plugin:
         names.add(transport)
     return names
 
 
-def _extracts_cheaply(name: str) -> bool:
-    # Group transports describe the groups this process is in: only when it is in one.
-    if name not in _groups.BACKENDS:
-        return True
-    return any(not g.broken for g in _groups.local_groups(name).values())
+def _preparer() -> ThreadPoolExecutor:
+    # One thread: preparations run in the order objects were made, never in
+    # the producer's own method thread. Locked: two pools would break that order.
+    global _preparation_pool
+    with _pool_lock:
+        if _preparation_pool is None:
+            _preparation_pool = ThreadPoolExecutor(1, thread_name_prefix="raydirect-prepare")
+        return _preparation_pool
 
 
 def _extract(obj: StoredObject, name: str, background: bool, extract: Callable[[], Any]) -> Any:
@@ -97,7 +127,7 @@ def _extract(obj: StoredObject, name: str, background: bool, extract: Callable[[
     return PREPARING
 
 
-def _extra(transport: Any, obj_id: bytes, buffers: list[torch.Tensor]) -> dict[str, Any]:
+def _byte_extra(transport: Any, obj_id: bytes, buffers: list[torch.Tensor]) -> dict[str, Any]:
     # Byte transports keep only the ``extra`` dict: the rest is in the Payload.
     return dict(transport.extract_tensor_transport_metadata(obj_id, buffers).extra)
 
@@ -112,17 +142,14 @@ def _prepared(obj: StoredObject, name: str, future: Future[Any]) -> None:
         if not obj.freed:
             obj.transport_state[name] = meta
             return
-    release_one(obj, name, meta)  # freed while it was being prepared
+    _release_one(obj, name, meta)  # freed while it was being prepared
 
 
-@functools.cache
 def _served_on_request() -> tuple[str, ...]:
-    from raydirect.transports import nixl
-
     return ("nixl",) if nixl.installed() else ()
 
 
-def prepare_on_request(obj: StoredObject, name: str) -> Future[Any]:
+def _prepare_on_request(obj: StoredObject, name: str) -> Future[Any]:
     """Start (once) preparing ``obj`` for byte transport ``name``, which a
     consumer asked for: ``auto`` objects carry no metadata for such transports."""
     transport = transport_instance(name)
@@ -133,98 +160,53 @@ def prepare_on_request(obj: StoredObject, name: str) -> Future[Any]:
             raise ValueError("the object was freed")
         future = obj.preparing.get(name)
         if future is None:
-            future = _preparer().submit(_extra, transport, obj.obj_id, obj.buffers)
+            future = _preparer().submit(_byte_extra, transport, obj.obj_id, obj.buffers)
             obj.preparing[name] = future
             future.add_done_callback(functools.partial(_prepared, obj, name))
     return future
 
 
-def _preparer() -> ThreadPoolExecutor:
-    # One thread: preparations run in the order objects were made, never in
-    # the producer's own method thread.
-    global _preparation_pool
-    if _preparation_pool is None:
-        _preparation_pool = ThreadPoolExecutor(1, thread_name_prefix="raydirect-prepare")
-    return _preparation_pool
+def _plugin(transport: str) -> Registration | None:
+    """The registration of a plug-in transport; None for ``auto`` and byte transports."""
+    if check_name(transport) == AUTO:
+        return None
+    reg = registration(transport)
+    return None if reg.cls.byte_transport else reg
 
 
 def export(value: Any, transport: str, label: str | None = None) -> Any:
     """Keep ``value``'s tensors in this process and return the Payload standing
-    for it; a value without tensors is returned unchanged."""
-    global _session
-    plugin = None if check_name(transport) == AUTO else registration(transport)
-    if plugin is not None and plugin.cls.byte_transport:
-        plugin = None
+    for it; a value without tensors is returned unchanged, a small one under
+    ``auto`` travels inline."""
+    plugin = _plugin(transport)
     label = label or _ray.current_task_label()
     parts = split(value, only=plugin.data_type if plugin is not None else None)
-    if not parts.tensors or (transport == AUTO and _inline(parts.metas)):
+    if not parts.tensors:
         return value
+    if transport == AUTO and _inline(parts.metas):
+        return InlineValue.of(parts)
     _check_devices(transport, parts.tensors, label)
-    if len({t.device.type for t in parts.tensors}) > 1:
-        raise ValueError(
-            f"{label} returned tensors on several device types; one object's "
-            "tensors must share one (return them as separate objects)"
-        )
-    session = _ray.session_key()
-    if session != _session:
-        # Objects of an earlier Ray session can never be released by their leases.
-        store.clear()
-        _session = session
-    agent = _agent.agent()
-    obj_id = secrets.token_bytes(16)
-    capability = secrets.token_bytes(16)
-    buffers = [flat_bytes(t) for t in parts.tensors]
-    obj = StoredObject(
-        obj_id=obj_id,
-        capability=capability,
-        originals=parts.originals,
-        buffers=buffers,
-        metas=parts.metas,
-        versions=[t._version for t in parts.tensors],
-        label=label,
-        transport=transport,
-        nbytes=sum(m.nbytes for m in parts.metas),
-    )
-    store.add(obj)
-    transport_meta: dict[str, Any] = {}
+    _forget_earlier_sessions()
+    agent = _runtime.agent()
+    obj = _stored(parts, transport, label)
     try:
-        for name in _extracted(transport, parts.tensors, plugin is not None):
-            byte_transport = transport_instance(name)
-            extra = _extract(
-                obj,
-                name,
-                byte_transport.extract_in_background,
-                functools.partial(_extra, byte_transport, obj_id, buffers),
-            )
-            if extra:
-                transport_meta[name] = extra
-        if plugin is not None:
-            # Plug-ins see the value's own tensors and the object id as a string, as in Ray RDT.
-            plugin_transport = transport_instance(transport)
-            transport_meta[transport] = _extract(
-                obj,
-                transport,
-                plugin_transport.extract_in_background,
-                lambda: plugin_transport.extract_tensor_transport_metadata(
-                    obj_id.hex(), parts.originals
-                ),
-            )
-        lease = leases.take(lambda: store.free_later(obj_id))
+        transport_meta = _extract_all(obj, transport, parts, plugin)
+        lease = leases.take(lambda: store.free_later(obj.obj_id))
     except BaseException:
-        store.free(obj_id)
+        store.free(obj.obj_id)
         raise
     producer = ProducerInfo(
         agent_address=agent.address,
         node_id=_ray.node_id(),
-        pid=_agent.PID,
-        start_time=_agent.START_TIME,
-        process_token=_agent.PROCESS_TOKEN,
+        pid=_process.PID,
+        start_time=_process.START_TIME,
+        process_token=_process.PROCESS_TOKEN,
         label=label,
         transports=_served_on_request(),
     )
     return Payload(
-        obj_id=obj_id,
-        capability=capability,
+        obj_id=obj.obj_id,
+        capability=obj.capability,
         skeleton=parts.skeleton,
         handles=parts.handles,
         metas=parts.metas,
@@ -233,3 +215,132 @@ def export(value: Any, transport: str, label: str | None = None) -> Any:
         transport_meta=transport_meta,
         lease=lease,
     )
+
+
+def _forget_earlier_sessions() -> None:
+    global _session
+    session = _ray.session_key()
+    if session != _session:
+        # Objects of an earlier Ray session can never be released by their leases.
+        store.clear()
+        _session = session
+
+
+def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
+    obj = StoredObject(
+        obj_id=secrets.token_bytes(16),
+        capability=secrets.token_bytes(16),
+        originals=parts.originals,
+        buffers=[flat_bytes(t) for t in parts.tensors],
+        metas=parts.metas,
+        versions=[t._version for t in parts.tensors],
+        label=label,
+        transport=transport,
+        nbytes=sum(m.nbytes for m in parts.metas),
+    )
+    store.add(obj)
+    return obj
+
+
+def _extract_all(
+    obj: StoredObject, transport: str, parts: SplitValue, plugin: Registration | None
+) -> dict[str, Any]:
+    transport_meta: dict[str, Any] = {}
+    for name in _extracted(transport, parts.tensors, plugin is not None):
+        byte_transport = transport_instance(name)
+        extract = functools.partial(_byte_extra, byte_transport, obj.obj_id, obj.buffers)
+        extra = _extract(obj, name, byte_transport.extract_in_background, extract)
+        if extra:
+            transport_meta[name] = extra
+    if plugin is not None:
+        # Plug-ins see the value's own tensors and the object id as a string, as in Ray RDT.
+        manager = transport_instance(transport)
+        transport_meta[transport] = _extract(
+            obj,
+            transport,
+            manager.extract_in_background,
+            lambda: manager.extract_tensor_transport_metadata(obj.obj_id.hex(), parts.originals),
+        )
+    return transport_meta
+
+
+# ------------------------------------------------------------ freeing
+
+
+def _release_one(obj: StoredObject, name: str, meta: Any) -> None:
+    """Let transport ``name`` release what it set up for ``obj`` (described by ``meta``)."""
+    try:
+        transport = transport_instance(name)
+        if transport.byte_transport:
+            transport.garbage_collect(obj.obj_id, meta, obj.buffers)
+        else:
+            transport.garbage_collect(obj.obj_id.hex(), meta, obj.originals)
+    except Exception:
+        log.exception("raydirect: %s garbage_collect failed for %s", name, obj.obj_id.hex())
+
+
+def _release_state(obj: StoredObject) -> None:
+    """Let every transport that set something up for ``obj`` release it."""
+    for name, meta in list(obj.transport_state.items()):
+        _release_one(obj, name, meta)
+    obj.transport_state.clear()
+
+
+# ------------------------------------------------------------ ops served
+
+
+def _serve_fetch(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
+    name = str(request.get("transport", ""))
+    transport = transport_instance(name)
+    if not isinstance(transport, ByteTransport):
+        raise TransferError(f"transport {name!r} is not served by the agent")
+    obj.check_unmodified()
+    transport.serve(obj, request, reply)
+    store.count_sent(name, obj.nbytes)
+
+
+def _serve_sent(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
+    # A one-sided read finished: count it, check for in-place writes.
+    obj.check_unmodified()
+    store.count_sent(str(request.get("transport", "?")), obj.nbytes)
+
+
+def _serve_abort(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
+    transport = transport_instance(str(request.get("transport", "")))
+    if transport.can_abort_transport():
+        transport.abort_transport(obj.obj_id.hex(), CommunicatorMetadata())
+
+
+def _serve_meta(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
+    """Metadata prepared in the background, once ready (the consumer waits for it)."""
+    name = str(request.get("transport", ""))
+    future = obj.preparing.get(name)
+    if future is None and request.get("prepare"):
+        try:
+            future = _prepare_on_request(obj, name)
+        except Exception as exc:
+            reply.send(_wire.refusal(_wire.TRANSFER, f"{name}: {exc}"))
+            return
+    if future is None:
+        reply.send(_wire.refusal(_wire.BAD_REQUEST, f"nothing prepared for {name}"))
+        return
+    timeout = request.get("timeout")
+    wait = _MAX_PREPARE_WAIT if timeout is None else min(float(timeout), _MAX_PREPARE_WAIT)
+    try:
+        meta = future.result(timeout=max(wait, 0.0))
+    except FutureTimeoutError:
+        reply.send(_wire.refusal(_wire.TRANSFER, f"{name} still preparing"))
+        return
+    except Exception as exc:
+        error = f"preparing it for {name} failed: {type(exc).__name__}: {exc}"
+        reply.send(_wire.refusal(_wire.TRANSFER, error))
+        return
+    frames: list[bytes] = []
+    reply.send({"ok": True, "meta": _wire.encode_value(meta, frames)}, *frames)
+
+
+store.on_free(_release_state)
+_server.register(_wire.FETCH, _serve_fetch, needs_object=True, lane=DATA)
+_server.register(_wire.META, _serve_meta, needs_object=True, lane=DATA)
+_server.register(_wire.SENT, _serve_sent, needs_object=True, lane=CONTROL)
+_server.register(_wire.ABORT, _serve_abort, needs_object=True, lane=CONTROL)

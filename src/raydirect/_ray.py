@@ -176,6 +176,12 @@ def current_actor_handle() -> ray.actor.ActorHandle | None:
         return None
 
 
+def declared_num_returns(method: Any) -> Any:
+    """What ``@ray.method(num_returns=...)`` declared on ``method`` (1 if nothing);
+    Ray stores it as a private attribute, read at call time."""
+    return getattr(method, "__ray_num_returns__", 1)
+
+
 def run_in_actor(actor: ray.actor.ActorHandle, fn: Callable[..., Any], *args: Any) -> ray.ObjectRef:
     """Run ``fn(actor_instance, *args)`` as a task of ``actor``, which need not
     define a method for it (Ray's developer API ``__ray_call__``)."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from raydirect import _agent, _ray
+from raydirect import _channel, _ray, _wire
 
 
 def collect(timeout: float = 2.0) -> list[dict[str, Any]]:
@@ -15,7 +15,9 @@ def collect(timeout: float = 2.0) -> list[dict[str, Any]]:
     for key, raw in sorted(_ray.published_agents().items()):
         info = json.loads(raw)
         try:
-            info["stats"] = _agent.query_stats(info["address"], timeout)
+            info["stats"] = dict(
+                _channel.request(info["address"], {"op": _wire.STATS}, timeout)["stats"]
+            )
             info["reachable"] = True
         except Exception as exc:
             info["stats"] = None

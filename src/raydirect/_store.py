@@ -4,6 +4,11 @@ A producer keeps each exported object here until Ray's reference counting says
 no reference is left anywhere (the lease callback). Freeing runs on a reaper
 thread: the lease callback arrives on a Ray-internal thread and must not block
 it with transport clean-up or large deallocations.
+
+The store knows no transport and no metrics: whoever cares registers a
+callback. The producer layer registers what releases transport state when an
+object is freed (``on_free``); the metrics exporter registers what starts it on
+the first object or transfer (``on_first_use``).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import threading
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,14 +102,29 @@ class Store:
         self._received_bytes: Counter[str] = Counter()
         self._free_queue: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._reaper: threading.Thread | None = None
-        self._metrics_started = False
+        self._free_hooks: list[Callable[[StoredObject], None]] = []
+        self._first_use_hooks: list[Callable[[], bool]] = []
 
-    def _start_metrics(self) -> None:
-        # Lazily, on the first object or transfer: only processes that use raydirect
-        # export metrics, and only once they are connected to Ray.
-        from raydirect import _metrics
+    def on_free(self, hook: Callable[[StoredObject], None]) -> None:
+        """Call ``hook(obj)`` when ``obj`` is freed, before ``wait_tensor_freed``
+        waiters wake (on the reaper thread; exceptions are logged)."""
+        self._free_hooks.append(hook)
 
-        self._metrics_started = _metrics.start(self.stats)
+    def on_first_use(self, hook: Callable[[], bool]) -> None:
+        """Call ``hook()`` on objects and transfers until it returns True (it
+        starts something once this process is ready for it)."""
+        with self._lock:
+            self._first_use_hooks.append(hook)
+
+    def _used(self) -> None:
+        if not self._first_use_hooks:
+            return
+        with self._lock:
+            pending = list(self._first_use_hooks)
+        done = [hook for hook in pending if hook()]
+        if done:
+            with self._lock:
+                self._first_use_hooks = [h for h in self._first_use_hooks if h not in done]
 
     # -- producer side
     def add(self, obj: StoredObject) -> None:
@@ -114,8 +135,7 @@ class Store:
             self._held_bytes[obj.transport] += obj.nbytes
             for original in obj.originals:
                 self._holders[id(original)] += 1
-        if not self._metrics_started:
-            self._start_metrics()
+        self._used()
 
     def get(self, obj_id: bytes) -> StoredObject | None:
         with self._lock:
@@ -150,11 +170,13 @@ class Store:
             self._held_bytes[obj.transport] -= obj.nbytes
         with obj.lock:  # a preparation finishing from now on releases its own state
             obj.freed = True
-        from raydirect.transports.registry import release_state
-
         # Release transport state (a pooled segment) before waking waiters, so a
         # producer that re-exports at once finds the segment back in its pool.
-        release_state(obj)
+        for hook in self._free_hooks:
+            try:
+                hook(obj)
+            except Exception:
+                log.exception("raydirect: releasing object %s failed", obj_id.hex()[:8])
         with self._lock:
             for original in obj.originals:
                 key = id(original)
@@ -189,15 +211,13 @@ class Store:
         with self._lock:
             self._sent[transport] += 1
             self._sent_bytes[transport] += nbytes
-        if not self._metrics_started:
-            self._start_metrics()
+        self._used()
 
     def count_received(self, transport: str, nbytes: int) -> None:
         with self._lock:
             self._received[transport] += 1
             self._received_bytes[transport] += nbytes
-        if not self._metrics_started:
-            self._start_metrics()
+        self._used()
 
     def stats(self) -> LocalStats:
         with self._lock:

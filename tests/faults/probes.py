@@ -201,7 +201,7 @@ def _summary(value: Any) -> Any:
 def agent_port(actor: Any) -> int:
     address = ray.get(
         actor.__ray_call__.remote(
-            lambda self: __import__("raydirect._agent", fromlist=["agent"]).agent().address
+            lambda self: __import__("raydirect._runtime", fromlist=["agent"]).agent().address
         )
     )
     return int(address.rsplit(":", 1)[1])

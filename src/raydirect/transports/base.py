@@ -18,8 +18,10 @@ Two kinds of transport share the interface:
   producer's agent (``serve``). Object ids are bytes.
 
 Orchestration (choosing a transport, deadlines, fallbacks, counting, error
-mapping) lives above, in ``raydirect._fetch``; transports never time out on
-their own: they honour ``comm_meta.deadline`` and raise.
+mapping) lives above, in ``raydirect._consumer``; transports never time out on
+their own: they honour ``comm_meta.deadline`` and raise. A transport imports
+this module, ``_channel``, ``_process``, ``_tensors`` and ``errors``, nothing
+else of raydirect (the collective ones also their group state).
 
 Call diagram for a one-sided transport::
 
@@ -42,9 +44,13 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from raydirect import _channel, _process, _wire
+from raydirect._channel import Channel
+from raydirect.errors import ProducerLostError
+
 if TYPE_CHECKING:
-    from raydirect._agent import Channel, Reply
     from raydirect._payload import ProducerInfo
+    from raydirect._server import Reply
     from raydirect._store import StoredObject
 
 
@@ -77,10 +83,22 @@ class PeerMetadata(CommunicatorMetadata):
     producer: ProducerInfo
     capability: bytes
     deadline: float | None = None  # time.monotonic() by which the transfer must finish
+    same_node: bool = False  # the producer runs on this node: its pid can be checked
 
     @property
     def who(self) -> str:
         return self.producer.describe()
+
+    def producer_alive(self) -> bool:
+        """False once a producer on this node has died (a pid reused by another
+        process counts as dead); True for producers on other nodes."""
+        producer = self.producer
+        return not self.same_node or _process.process_alive(producer.pid, producer.start_time)
+
+    def check_alive(self, what: str = "is no longer running") -> None:
+        """``ProducerLostError`` if a producer on this node has died."""
+        if not self.producer_alive():
+            raise ProducerLostError.of(self.who, what)
 
     def remaining(self) -> float | None:
         return None if self.deadline is None else self.deadline - time.monotonic()
@@ -89,13 +107,6 @@ class PeerMetadata(CommunicatorMetadata):
         """Raise TimeoutError once the deadline has passed (call between chunks)."""
         if self.deadline is not None and time.monotonic() >= self.deadline:
             raise TimeoutError("transfer deadline passed")
-
-
-def peer(comm_meta: CommunicatorMetadata) -> PeerMetadata:
-    """The ``PeerMetadata`` the orchestration passes to byte transports."""
-    if not isinstance(comm_meta, PeerMetadata):
-        raise TypeError("byte transports are called by raydirect's orchestration only")
-    return comm_meta
 
 
 @dataclass
@@ -240,11 +251,15 @@ class ByteTransport(TensorTransportManager):
     The orchestration hands ``extract``/``garbage_collect`` the flat uint8 view
     of each tensor, and ``recv_multiple_tensors`` one preallocated flat uint8
     buffer per tensor (views of one receive buffer per object) together with a
-    ``PeerMetadata``; it fills them and returns them.
+    ``PeerMetadata``. Subclasses implement ``receive``: fill the buffers or
+    raise. Those whose reads the producer's agent does not see (``notify_sent``)
+    get one "sent" notice sent for them after each read, so the producer counts
+    it and checks the tensors were not written in place.
     """
 
     byte_transport = True
     extract_in_background = False  # the built-ins' extraction is cheap, except nixl's
+    notify_sent: ClassVar[bool] = False
 
     def extract_tensor_transport_metadata(
         self, obj_id: Any, tensors: list[Any]
@@ -258,15 +273,48 @@ class ByteTransport(TensorTransportManager):
         for different objects and for the same object."""
         raise NotImplementedError(f"transport {self.name!r} serves no agent requests")
 
+    def recv_multiple_tensors(
+        self,
+        obj_id: Any,
+        meta: TensorTransportMetadata,
+        comm_meta: CommunicatorMetadata,
+        target_buffers: list[Any] | None = None,
+    ) -> list[Any]:
+        if not isinstance(comm_meta, PeerMetadata) or target_buffers is None:
+            raise TypeError("byte transports are called by raydirect's orchestration only")
+        self.receive(obj_id, meta.extra, comm_meta, target_buffers)
+        if self.notify_sent:
+            _channel.notify(
+                comm_meta.producer.agent_address,
+                {
+                    "op": _wire.SENT,
+                    "obj": obj_id.hex(),
+                    "cap": comm_meta.capability.hex(),
+                    "transport": self.name,
+                },
+            )
+        return target_buffers
+
+    @abstractmethod
+    def receive(
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+    ) -> None:
+        """Fill ``targets`` (flat uint8, one per tensor, possibly empty) with the
+        object's bytes, or raise: ``ProducerLostError`` when the producer is gone,
+        ``TimeoutError`` past ``link.deadline``, ``TransportUnavailableError``
+        when this transport cannot reach it, ``TransferError`` otherwise. After a
+        raise the targets may hold some, all or none of the bytes."""
+
     def ask_producer(
         self, ch: Channel, obj_id: bytes, comm_meta: PeerMetadata, **extra: Any
     ) -> tuple[dict[str, Any], list[Any]]:
         """Ask the producer's agent to ``serve`` the object over this transport;
         returns its first reply (header and any inline frames)."""
-        _watch_producer(ch, comm_meta)
+        if comm_meta.same_node:  # let the channel notice the producer's death by pid at once
+            ch.producer_alive = comm_meta.producer_alive
         ch.send(
             {
-                "op": "fetch",
+                "op": _wire.FETCH,
                 "obj": obj_id.hex(),
                 "cap": comm_meta.capability.hex(),
                 "transport": self.name,
@@ -274,12 +322,3 @@ class ByteTransport(TensorTransportManager):
             }
         )
         return ch.recv_reply(comm_meta.deadline, comm_meta.who)
-
-
-def _watch_producer(ch: Channel, comm_meta: PeerMetadata) -> None:
-    """On the producer's node, let the channel notice its death by pid at once."""
-    from raydirect import _agent, _ray
-
-    producer = comm_meta.producer
-    if producer.node_id == _ray.node_id():
-        ch.producer_alive = lambda: _agent.process_alive(producer.pid, producer.start_time)

@@ -18,15 +18,8 @@ from typing import Any
 
 import torch
 
-from raydirect import _agent
 from raydirect.errors import ProducerLostError, TransferError, TransportUnavailableError
-from raydirect.transports.base import (
-    ByteTransport,
-    CommunicatorMetadata,
-    PeerMetadata,
-    TensorTransportMetadata,
-    peer,
-)
+from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
 _IOV_MAX = 1024
 _CALL_BYTES = 64 << 20  # bytes per system call, so a deadline is noticed
@@ -108,6 +101,7 @@ class CmaTransport(ByteTransport):
     one_sided = True
     devices = ("cpu",)
     same_node_only = True
+    notify_sent = True  # the producer does nothing in a read: tell it
 
     def extract_tensor_transport_metadata(
         self, obj_id: bytes, tensors: list[torch.Tensor]
@@ -116,36 +110,13 @@ class CmaTransport(ByteTransport):
             tensor_meta=[], extra={"ptrs": [t.data_ptr() for t in tensors]}
         )
 
-    def recv_multiple_tensors(
-        self,
-        obj_id: bytes,
-        meta: TensorTransportMetadata,
-        comm_meta: CommunicatorMetadata,
-        target_buffers: list[torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        link = peer(comm_meta)
-        assert target_buffers is not None
-        producer = link.producer
-        who = producer.describe()
+    def receive(
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+    ) -> None:
         # A pid names the producer only while it runs: a reused pid is another process.
-        if not _agent.process_alive(producer.pid, producer.start_time):
-            raise ProducerLostError.of(who, "is no longer running")
-        ptrs: list[Any] = meta.extra["ptrs"]
+        link.check_alive()
+        ptrs: list[Any] = extra["ptrs"]
         spans = [
-            (t.data_ptr(), p, t.numel())
-            for t, p in zip(target_buffers, ptrs, strict=True)
-            if t.numel()
+            (t.data_ptr(), p, t.numel()) for t, p in zip(targets, ptrs, strict=True) if t.numel()
         ]
-        read_remote(producer.pid, spans, link, who)
-        # Tell the producer (no reply awaited): it counts the transfer and checks
-        # that no tensor was written in place before this read.
-        _agent.notify(
-            producer.agent_address,
-            {
-                "op": "sent",
-                "obj": obj_id.hex(),
-                "cap": link.capability.hex(),
-                "transport": self.name,
-            },
-        )
-        return target_buffers
+        read_remote(link.producer.pid, spans, link, link.who)

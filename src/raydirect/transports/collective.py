@@ -21,17 +21,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from raydirect import _groups
-from raydirect._agent import channel
+from raydirect._channel import channel
 from raydirect.errors import GroupError, TransportUnavailableError
-from raydirect.transports.base import (
-    ByteTransport,
-    CommunicatorMetadata,
-    TensorTransportMetadata,
-    peer,
-)
+from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
 if TYPE_CHECKING:
-    from raydirect._agent import Reply
+    from raydirect._server import Reply
     from raydirect._store import StoredObject
 
 
@@ -41,8 +36,11 @@ class CollectiveTransport(ByteTransport):
     serialize_pairs: ClassVar[bool] = False
 
     @staticmethod
-    def make_process_group(store: Any, rank: int, world: int, timeout: datetime.timedelta) -> Any:
-        """A standalone process group of this backend over ``store``."""
+    def make_process_group(
+        store: Any, rank: int, world: int, timeout: datetime.timedelta, host: str
+    ) -> Any:
+        """A standalone process group of this backend over ``store``; ``host`` is
+        this node's Ray address, for backends that bind to one."""
         raise NotImplementedError
 
     def synchronize(self) -> None:
@@ -95,23 +93,16 @@ class CollectiveTransport(ByteTransport):
     def reachable(self, extra: dict[str, Any]) -> bool:
         return self.shared_group(extra) is not None
 
-    def recv_multiple_tensors(
-        self,
-        obj_id: bytes,
-        meta: TensorTransportMetadata,
-        comm_meta: CommunicatorMetadata,
-        target_buffers: list[torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        link = peer(comm_meta)
-        assert target_buffers is not None
-        found = self.shared_group(meta.extra)
+    def receive(
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+    ) -> None:
+        found = self.shared_group(extra)
         if found is None:
             raise TransportUnavailableError(
                 f"this process shares no live {self.name} group with the producer"
             )
         group, src = found
         group.check_usable()
-        who = link.producer.describe()
         tag = group.next_tag()
         lock = group.pair_lock(src) if self.serialize_pairs else contextlib.nullcontext()
         with lock, channel(link.producer.agent_address) as ch:
@@ -126,23 +117,22 @@ class CollectiveTransport(ByteTransport):
                 tag=tag,
             )
             try:
-                works = [
-                    group.process_group.recv([t], src, tag) for t in target_buffers if t.numel()
-                ]
-                remaining = link.remaining()
-                timeout = datetime.timedelta(
-                    seconds=max(
-                        0.001, remaining if remaining is not None else _groups.DEFAULT_TIMEOUT_S
-                    )
-                )
-                for work in works:
-                    work.wait(timeout)
-                self.synchronize()
+                self._receive_posted(group, src, tag, targets, link)
             except Exception as exc:
-                _groups.mark_broken(group, f"receiving from rank {src} ({who}) failed: {exc}")
+                _groups.mark_broken(group, f"receiving from rank {src} ({link.who}) failed: {exc}")
                 raise GroupError(
-                    f"a {self.name} transfer from {who} in group {group.name!r} failed ({exc}); "
-                    f"the group is unusable now: destroy it with rd.destroy_collective_group("
-                    f"{group.name!r}) and create it again"
+                    f"a {self.name} transfer from {link.who} in group {group.name!r} failed "
+                    f"({exc}); the group is unusable now: destroy it with "
+                    f"rd.destroy_collective_group({group.name!r}) and create it again"
                 ) from exc
-        return target_buffers
+
+    def _receive_posted(
+        self, group: _groups.Group, src: int, tag: int, targets: list[Any], link: PeerMetadata
+    ) -> None:
+        works = [group.process_group.recv([t], src, tag) for t in targets if t.numel()]
+        remaining = link.remaining()
+        seconds = remaining if remaining is not None else _groups.DEFAULT_TIMEOUT_S
+        timeout = datetime.timedelta(seconds=max(0.001, seconds))
+        for work in works:
+            work.wait(timeout)
+        self.synchronize()

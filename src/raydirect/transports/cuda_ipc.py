@@ -15,13 +15,7 @@ from typing import Any
 
 import torch
 
-from raydirect._agent import notify
-from raydirect.transports.base import (
-    ByteTransport,
-    CommunicatorMetadata,
-    TensorTransportMetadata,
-    peer,
-)
+from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
 
 def _encode(value: Any) -> Any:
@@ -37,6 +31,7 @@ class CudaIpcTransport(ByteTransport):
     one_sided = True
     devices = ("cuda",)
     same_node_only = True
+    notify_sent = True
 
     def extract_tensor_transport_metadata(
         self, obj_id: Any, tensors: list[Any]
@@ -57,16 +52,10 @@ class CudaIpcTransport(ByteTransport):
             tensor_meta=[], tensor_device="cuda", extra={"handles": handles}
         )
 
-    def recv_multiple_tensors(
-        self,
-        obj_id: Any,
-        meta: TensorTransportMetadata,
-        comm_meta: CommunicatorMetadata,
-        target_buffers: list[Any] | None = None,
-    ) -> list[Any]:
-        assert target_buffers is not None
-        link = peer(comm_meta)
-        for target, handle in zip(target_buffers, meta.extra["handles"], strict=True):
+    def receive(
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+    ) -> None:
+        for target, handle in zip(targets, extra["handles"], strict=True):
             link.check_deadline()
             if not handle["nbytes"]:
                 continue
@@ -79,13 +68,3 @@ class CudaIpcTransport(ByteTransport):
             )
             target.copy_(source, non_blocking=True)
         torch.cuda.current_stream().synchronize()
-        notify(
-            link.producer.agent_address,
-            {
-                "op": "sent",
-                "obj": obj_id.hex(),
-                "cap": link.capability.hex(),
-                "transport": self.name,
-            },
-        )
-        return target_buffers

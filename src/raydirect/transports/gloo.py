@@ -11,7 +11,8 @@ from __future__ import annotations
 import datetime
 from typing import Any
 
-from raydirect import _ray
+from torch.distributed import ProcessGroupGloo
+
 from raydirect.transports.collective import CollectiveTransport
 
 
@@ -20,10 +21,10 @@ class GlooTransport(CollectiveTransport):
     devices = ("cpu",)
 
     @staticmethod
-    def make_process_group(store: Any, rank: int, world: int, timeout: datetime.timedelta) -> Any:
-        from torch.distributed import ProcessGroupGloo
-
+    def make_process_group(
+        store: Any, rank: int, world: int, timeout: datetime.timedelta, host: str
+    ) -> Any:
         options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]
         options._timeout = timeout
-        options._devices = [ProcessGroupGloo.create_device(hostname=_ray.node_ip(), lazy_init=True)]
+        options._devices = [ProcessGroupGloo.create_device(hostname=host, lazy_init=True)]
         return ProcessGroupGloo(store, rank, world, options)

@@ -21,8 +21,10 @@ class NcclTransport(CollectiveTransport):
     serialize_pairs = True
 
     @staticmethod
-    def make_process_group(store: Any, rank: int, world: int, timeout: datetime.timedelta) -> Any:
-        from torch.distributed import ProcessGroupNCCL
+    def make_process_group(
+        store: Any, rank: int, world: int, timeout: datetime.timedelta, host: str
+    ) -> Any:
+        from torch.distributed import ProcessGroupNCCL  # absent from CPU builds of torch
 
         options = ProcessGroupNCCL.Options()
         options._timeout = timeout

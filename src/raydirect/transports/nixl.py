@@ -42,15 +42,9 @@ from typing import Any
 
 import torch
 
-from raydirect import _agent, _ray
+from raydirect import _process
 from raydirect.errors import ProducerLostError, TransferError
-from raydirect.transports.base import (
-    ByteTransport,
-    CommunicatorMetadata,
-    PeerMetadata,
-    TensorTransportMetadata,
-    peer,
-)
+from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
 log = logging.getLogger("raydirect")
 
@@ -157,6 +151,7 @@ class NixlTransport(ByteTransport):
     one_sided = True
     devices = ("cpu", "cuda")
     extract_in_background = True  # registration costs up to seconds on first use
+    notify_sent = True
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -179,7 +174,7 @@ class NixlTransport(ByteTransport):
                     backends=["UCX"],
                     sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
                 )
-                name = f"rd-{_agent.PID}-{_agent.PROCESS_TOKEN.hex()[:12]}"
+                name = f"rd-{_process.PID}-{_process.PROCESS_TOKEN.hex()[:12]}"
                 started = time.perf_counter()
                 agent = _new_agent(api, name, config)
                 if "UCX" not in agent.backends:
@@ -304,20 +299,13 @@ class NixlTransport(ByteTransport):
                 except Exception:
                     log.debug("raydirect: NIXL could not remove agent %s", name, exc_info=True)
 
-    def recv_multiple_tensors(
-        self,
-        obj_id: bytes,
-        meta: TensorTransportMetadata,
-        comm_meta: CommunicatorMetadata,
-        target_buffers: list[torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        link = peer(comm_meta)
-        assert target_buffers is not None
-        extra = meta.extra
+    def receive(
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+    ) -> None:
         if not extra:
             raise TransferError(f"the object of {link.who} carries no NIXL metadata")
         local, remote, mem, remote_mem = [], [], "DRAM", "DRAM"
-        for t, d in zip(target_buffers, extra["descs"], strict=True):
+        for t, d in zip(targets, extra["descs"], strict=True):
             if d is None or t.numel() == 0:
                 continue
             if d[1] != t.numel():
@@ -327,19 +315,9 @@ class NixlTransport(ByteTransport):
             local.append((t.data_ptr(), t.numel(), dev))
             remote.append((d[0], d[1], d[2]))
         if not local:
-            return target_buffers
-        self._check_alive(link)
+            return
+        link.check_alive()
         self._read(self.agent(), extra, local, remote, mem, remote_mem, link)
-        _agent.notify(
-            link.producer.agent_address,
-            {
-                "op": "sent",
-                "obj": obj_id.hex(),
-                "cap": link.capability.hex(),
-                "transport": self.name,
-            },
-        )
-        return target_buffers
 
     def _read(
         self,
@@ -397,19 +375,9 @@ class NixlTransport(ByteTransport):
                     log.debug("raydirect: NIXL deregistration failed", exc_info=True)
 
     @staticmethod
-    def _check_alive(link: PeerMetadata) -> None:
-        producer = link.producer
-        if producer.node_id == _ray.node_id() and not _agent.process_alive(
-            producer.pid, producer.start_time
-        ):
-            raise ProducerLostError.of(link.who, "is no longer running")
-
-    @staticmethod
     def _lost(link: PeerMetadata, exc: BaseException) -> str | None:
         """Why the producer is gone, if the failure ``exc`` came from its loss."""
-        producer = link.producer
-        same_node = producer.node_id == _ray.node_id()
-        if same_node and not _agent.process_alive(producer.pid, producer.start_time):
+        if not link.producer_alive():
             return "is no longer running"
         if type(exc).__name__ == "nixlRemoteDisconnectError":
             return "disconnected (NIXL_ERR_REMOTE_DISCONNECT)"

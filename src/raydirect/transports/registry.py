@@ -1,4 +1,4 @@
-"""Which transports exist, and one instance of each per process.
+"""Which transports exist, and one instance of each per process: names and lookup only.
 
 Built-ins are listed by dotted path and imported on first use, so importing
 raydirect never imports a transport's heavy dependency. Transports registered
@@ -18,7 +18,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, cast
 
 import numpy as np
 import ray
@@ -29,14 +29,12 @@ from raydirect import _ray
 from raydirect.errors import UnknownTransportError
 from raydirect.transports.base import TensorTransportManager
 
-if TYPE_CHECKING:
-    from raydirect._store import StoredObject
-
 log = logging.getLogger("raydirect")
 
 AUTO = "auto"
 ENTRY_POINT_GROUP = "raydirect.transports"
 DATA_TYPES = (torch.Tensor, np.ndarray)
+
 
 def _data_type_name(data_type: Any) -> str | None:
     if data_type is torch.Tensor:
@@ -124,6 +122,27 @@ def register_tensor_transport(
     name raises ``ValueError`` unless ``replace=True``. Nothing is registered
     when it raises.
     """
+    data_type_name = _checked_registration(name, devices, manager_cls, data_type)
+    registration = Registration(name, manager_cls, tuple(devices), data_type_name)
+    blob = _dumps_by_value(registration)
+    with _lock:
+        if not replace and _lookup(name) is not None:
+            raise ValueError(
+                f"a tensor transport named {name!r} is already registered; "
+                "pass replace=True to replace it"
+            )
+        _registrations[name] = registration
+        _instances.pop(name, None)
+        if ray.is_initialized():
+            _ray.put_transport_record(name, blob)
+        else:
+            _unpublished[name] = blob
+
+
+def _checked_registration(
+    name: str, devices: Sequence[str], manager_cls: Any, data_type: type
+) -> str:
+    """Refuse a registration that cannot work, naming the fix; the data type's name."""
     if not isinstance(manager_cls, type) or not issubclass(manager_cls, TensorTransportManager):
         raise TypeError(
             f"manager_cls must be a subclass of rd.TensorTransportManager, got {manager_cls!r}"
@@ -152,20 +171,7 @@ def register_tensor_transport(
             f"{manager_cls.__name__} is two-sided; raydirect runs two-sided plug-ins only "
             "through its own groups so far: use a one-sided transport, or 'gloo'/'nccl'"
         )
-    registration = Registration(name, manager_cls, tuple(devices), data_type_name)
-    blob = _dumps_by_value(registration)
-    with _lock:
-        if not replace and _lookup(name) is not None:
-            raise ValueError(
-                f"a tensor transport named {name!r} is already registered; "
-                "pass replace=True to replace it"
-            )
-        _registrations[name] = registration
-        _instances.pop(name, None)
-        if ray.is_initialized():
-            _ray.put_transport_record(name, blob)
-        else:
-            _unpublished[name] = blob
+    return data_type_name
 
 
 def _publish_unpublished() -> None:
@@ -243,30 +249,3 @@ def transport_instance(name: str) -> TensorTransportManager:
                 inst = transport_class(name)()
                 _instances[name] = inst
     return inst
-
-
-def release_state(obj: StoredObject) -> None:
-    """Let every transport that set something up for ``obj`` release it."""
-    for name, meta in list(obj.transport_state.items()):
-        release_one(obj, name, meta)
-    obj.transport_state.clear()
-
-
-def release_one(obj: StoredObject, name: str, meta: Any) -> None:
-    """Let transport ``name`` release what it set up for ``obj`` (described by ``meta``)."""
-    try:
-        transport = transport_instance(name)
-        if transport.byte_transport:
-            transport.garbage_collect(obj.obj_id, meta, obj.buffers)
-        else:
-            transport.garbage_collect(obj.obj_id.hex(), meta, obj.originals)
-    except Exception:
-        log.exception("raydirect: %s garbage_collect failed for %s", name, obj.obj_id.hex())
-
-
-def on_agent_start() -> None:
-    """Node-level housekeeping when a process starts serving: remove what dead
-    producers on this node left behind."""
-    from raydirect.transports.shm import sweep_dead_segments
-
-    sweep_dead_segments()

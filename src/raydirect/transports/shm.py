@@ -27,20 +27,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raydirect import _agent
-from raydirect._agent import channel
+from raydirect import _process
+from raydirect._channel import channel
 from raydirect._tensors import arena_layout
-from raydirect.errors import ProducerLostError, TransferError
-from raydirect.transports.base import (
-    ByteTransport,
-    CommunicatorMetadata,
-    PeerMetadata,
-    TensorTransportMetadata,
-    peer,
-)
+from raydirect.errors import TransferError
+from raydirect.transports.base import ByteTransport, PeerMetadata
 
 if TYPE_CHECKING:
-    from raydirect._agent import Reply
+    from raydirect._server import Reply
     from raydirect._store import StoredObject
 
 log = logging.getLogger("raydirect")
@@ -94,7 +88,7 @@ class SegmentPool:
         self._idle: list[Segment] = []
         self._used: dict[bytes, Segment] = {}
         self._counter = 0
-        self._prefix = f"{PREFIX}{_agent.PID}-{_agent.START_TIME}-"
+        self._prefix = f"{PREFIX}{_process.PID}-{_process.START_TIME}-"
         atexit.register(self.unlink_all)
 
     def acquire(self, obj_id: bytes, nbytes: int) -> Segment:
@@ -175,7 +169,7 @@ def sweep_dead_segments(pid: int | None = None) -> int:
             continue
         if pid is not None and owner_pid != pid:
             continue
-        if not _agent.process_alive(owner_pid, start_time):
+        if not _process.process_alive(owner_pid, start_time):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(SHM_DIR, name))
                 removed += 1
@@ -256,26 +250,17 @@ class ShmTransport(ByteTransport):
         if self._pool is not None:
             self._pool.release(obj_id)
 
-    def recv_multiple_tensors(
-        self,
-        obj_id: bytes,
-        meta: TensorTransportMetadata,
-        comm_meta: CommunicatorMetadata,
-        target_buffers: list[torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        link = peer(comm_meta)
-        assert target_buffers is not None
-        who = link.producer.describe()
+    def receive(
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+    ) -> None:
+        who = link.who
         with channel(link.producer.agent_address) as ch:
             header, _ = self.ask_producer(ch, obj_id, link)
-        name, size, offsets = _checked_reply(header, target_buffers, who)
+        name, size, offsets = _checked_reply(header, targets, who)
         try:
             seg = self._mapped.view(name, size)
         except (OSError, ValueError) as exc:  # no such segment, or smaller than the reply says
-            producer = link.producer
-            if not _agent.process_alive(producer.pid, producer.start_time):
-                raise ProducerLostError.of(who, "died (its segment is gone)") from exc
+            link.check_alive("died (its segment is gone)")
             raise TransferError(f"corrupt reply from {who}: segment {name!r}: {exc}") from exc
-        for target, off in zip(target_buffers, offsets, strict=True):
+        for target, off in zip(targets, offsets, strict=True):
             copy_sliced(target, seg[off : off + target.numel()], link)
-        return target_buffers

@@ -17,17 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raydirect._agent import channel
+from raydirect._channel import channel
 from raydirect.errors import TransferError
-from raydirect.transports.base import (
-    ByteTransport,
-    CommunicatorMetadata,
-    TensorTransportMetadata,
-    peer,
-)
+from raydirect.transports.base import ByteTransport, PeerMetadata
 
 if TYPE_CHECKING:
-    from raydirect._agent import Reply
+    from raydirect._server import Reply
     from raydirect._store import StoredObject
 
 CHUNK_BYTES = 16 << 20
@@ -58,38 +53,33 @@ class TcpTransport(ByteTransport):
             for piece in chunks(byte_view(buf)):
                 reply.send_frame(piece)
 
-    def recv_multiple_tensors(
-        self,
-        obj_id: bytes,
-        meta: TensorTransportMetadata,
-        comm_meta: CommunicatorMetadata,
-        target_buffers: list[torch.Tensor] | None = None,
-    ) -> list[torch.Tensor]:
-        link = peer(comm_meta)
-        assert target_buffers is not None
-        who = link.producer.describe()
-        deadline = link.deadline
+    def receive(
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+    ) -> None:
+        who = link.who
         with channel(link.producer.agent_address) as ch:
             header, frames = self.ask_producer(ch, obj_id, link)
             if header.get("inline"):
-                if len(frames) != len(target_buffers):
-                    raise TransferError(
-                        f"corrupt reply from {who}: {len(frames)} tensors "
-                        f"where {len(target_buffers)} were due"
-                    )
-                for frame, target in zip(frames, target_buffers, strict=True):
-                    data = frame.buffer
-                    if len(data) != target.numel():
-                        raise TransferError(
-                            f"corrupt reply from {who}: a tensor of "
-                            f"{len(data)} bytes where {target.numel()} were due"
-                        )
-                    byte_view(target)[:] = data
-                return target_buffers
+                _copy_inline(frames, targets, who)
+                return
             chunk = header.get("chunk")
             if not isinstance(chunk, int) or chunk <= 0:
                 raise TransferError(f"corrupt reply from {who}: chunk size {chunk!r}")
-            for target in target_buffers:
+            for target in targets:
                 for piece in chunks(byte_view(target), chunk):
-                    ch.recv_into(piece, deadline, who)
-        return target_buffers
+                    ch.recv_into(piece, link.deadline, who)
+
+
+def _copy_inline(frames: list[Any], targets: list[torch.Tensor], who: str) -> None:
+    if len(frames) != len(targets):
+        raise TransferError(
+            f"corrupt reply from {who}: {len(frames)} tensors where {len(targets)} were due"
+        )
+    for frame, target in zip(frames, targets, strict=True):
+        data = frame.buffer
+        if len(data) != target.numel():
+            raise TransferError(
+                f"corrupt reply from {who}: a tensor of {len(data)} bytes "
+                f"where {target.numel()} were due"
+            )
+        byte_view(target)[:] = data

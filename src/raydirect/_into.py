@@ -1,21 +1,28 @@
 """Receiving into the caller's own tensors: ``rd.get(ref, into=...)`` and ``rd.set_target``.
 
-``into`` mirrors the value: a tensor for a value that is one tensor, or the
-same structure (dicts matched by key, lists and tuples by position, objects
-by their attributes) with tensors where the value has tensors, for instance
-``model.state_dict()`` for a state dict. Every target is checked (type,
+``into`` takes two forms. It mirrors the value: a tensor for a value that is
+one tensor, or the same structure (dicts matched by key, lists and tuples by
+position, objects by their attributes) with tensors where the value has
+tensors, for instance ``model.state_dict()`` for a state dict. Or, as Ray's
+``set_target_for_ref`` takes it, it is a flat list (or tuple) with one target
+per tensor of the value, in the order the value's tensors are met (a dict's
+in insertion order; a tensor that appears twice counts once), for instance
+``list(model.parameters())``. Every target is checked (type,
 device, dtype, shape, contiguity) before a byte moves, and the bytes land in
 the targets themselves: no receive buffer, no copy after. Tensors of the value
 that ``into`` does not cover arrive in a new buffer as usual.
 
 A per-ref hint (``rd.set_target``) serves reads this process does not call
 itself: Ray rebuilding a task argument, or a plain ``ray.get``. It is keyed by
-the object's raydirect id, taken from its Payload, and used once.
+the object's raydirect id, taken from its Payload, and used once. Hints never
+used (their ref dropped unread) are bounded: the oldest are forgotten.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,7 +32,9 @@ import torch
 from raydirect._payload import Payload, join
 from raydirect._tensors import TensorMeta
 
-_hints: dict[bytes, Any] = {}
+log = logging.getLogger("raydirect")
+_HINTS_KEPT = 4096
+_hints: OrderedDict[bytes, Any] = OrderedDict()
 _hints_lock = threading.Lock()
 
 
@@ -51,16 +60,47 @@ def match(payload: Payload, into: Any) -> dict[int, Any]:
             )
         found = {0: into}
     else:
-        slots = [_Slot(i) for i in range(len(payload.metas))]
-        try:
-            shape = join(payload.skeleton, slots, payload.handles)
-        except Exception as exc:  # a class whose unpickling insists on real tensors
-            raise TypeError(
-                f"into= cannot be matched against this value ({type(exc).__name__}: {exc}); "
-                "receive without into= and copy"
-            ) from exc
-        found = {}
+        found = _match_structure(payload, into)
+    _check_all(payload, found)
+    return found
+
+
+def _match_structure(payload: Payload, into: Any) -> dict[int, Any]:
+    count = len(payload.metas)
+    slots = [_Slot(i) for i in range(count)]
+    try:
+        shape = join(payload.skeleton, slots, payload.handles)
+    except Exception as exc:  # a class whose unpickling insists on real tensors
+        raise TypeError(
+            f"into= cannot be matched against this value ({type(exc).__name__}: {exc}); "
+            "receive without into= and copy"
+        ) from exc
+    mirrored = not isinstance(into, (list, tuple)) or (
+        isinstance(shape, (list, tuple)) and len(shape) == len(into)
+    )
+    if mirrored:
+        found: dict[int, Any] = {}
         _walk(shape, into, "into", found)
+        return found
+    if len(into) == count and all(t is None or _is_target(t) for t in into):
+        return {i: t for i, t in enumerate(into) if t is not None}
+    value_form = (
+        f"a {type(shape).__name__} of {len(shape)}"
+        if isinstance(shape, (list, tuple))
+        else f"a {type(shape).__name__}"
+    )
+    raise TypeError(
+        f"into= is a {type(into).__name__} of {len(into)}, which fits neither form: the value "
+        f"is {value_form}, so pass the same structure, or a flat list of {count} tensors "
+        "(one per tensor of the value, in order)"
+    )
+
+
+def _is_target(obj: Any) -> bool:
+    return isinstance(obj, (torch.Tensor, np.ndarray))
+
+
+def _check_all(payload: Payload, found: dict[int, Any]) -> None:
     seen: dict[int, str] = {}
     for index, target in found.items():
         _check(target, payload.metas[index], index)
@@ -71,7 +111,6 @@ def match(payload: Payload, into: Any) -> dict[int, Any]:
                 "give each tensor its own target"
             )
         seen[key] = str(index)
-    return found
 
 
 def _walk(shape: Any, into: Any, path: str, found: dict[int, Any]) -> None:
@@ -91,8 +130,10 @@ def _walk(shape: Any, into: Any, path: str, found: dict[int, Any]) -> None:
         return
     if isinstance(shape, (list, tuple)):
         if not isinstance(into, (list, tuple)) or len(into) != len(shape):
-            got = f"{type(into).__name__} of {len(into)}" if isinstance(into, (list, tuple)) else (
-                type(into).__name__
+            got = (
+                f"{type(into).__name__} of {len(into)}"
+                if isinstance(into, (list, tuple))
+                else (type(into).__name__)
             )
             raise TypeError(f"{path} is {got}, but the value has a sequence of {len(shape)} there")
         for i, (part, target) in enumerate(zip(shape, into, strict=True)):
@@ -145,8 +186,10 @@ def writable_bytes(target: Any) -> torch.Tensor:
 
 def copy_into(target: Any, tensor: Any) -> Any:
     """Write ``tensor`` (as received) into ``target``; returns ``target``."""
-    src = torch.from_numpy(np.ascontiguousarray(tensor)) if isinstance(tensor, np.ndarray) else (
-        tensor
+    src = (
+        torch.from_numpy(np.ascontiguousarray(tensor))
+        if isinstance(tensor, np.ndarray)
+        else (tensor)
     )
     dst = torch.from_numpy(target) if isinstance(target, np.ndarray) else target.detach()
     dst.copy_(src.detach().view(dst.dtype) if src.dtype != dst.dtype else src.detach())
@@ -155,10 +198,16 @@ def copy_into(target: Any, tensor: Any) -> Any:
 
 def set_hint(obj_id: bytes, into: Any) -> None:
     with _hints_lock:
-        if into is None:
-            _hints.pop(obj_id, None)
-        else:
+        _hints.pop(obj_id, None)
+        if into is not None:
             _hints[obj_id] = into
+        if len(_hints) > _HINTS_KEPT:
+            _hints.popitem(last=False)
+            log.warning(
+                "raydirect: more than %d rd.set_target hints were never used; the oldest "
+                "is forgotten (read each ref you set a target for, or clear it with None)",
+                _HINTS_KEPT,
+            )
 
 
 def take_hint(obj_id: bytes) -> Any:

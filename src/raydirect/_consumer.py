@@ -24,15 +24,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
 import torch
 
-from raydirect import _agent, _ray
-from raydirect._payload import PREPARING, Payload, join
+from raydirect import _channel, _payload, _process, _ray, _wire
+from raydirect._into import copy_into, match, take_hint, writable_bytes
+from raydirect._payload import PREPARING, Payload, ProducerInfo, join
 from raydirect._store import store
-from raydirect._targets import copy_into, match, take_hint, writable_bytes
 from raydirect._tensors import allocate_bytes, arena_layout, finish, tensors_from_arena
 from raydirect.errors import (
     GroupError,
@@ -40,6 +41,7 @@ from raydirect.errors import (
     TransferError,
     TransportUnavailableError,
 )
+from raydirect.transports import nixl
 from raydirect.transports.base import PeerMetadata, TensorTransportMetadata
 from raydirect.transports.registry import AUTO, check_name, transport_class, transport_instance
 from raydirect.transports.shm import sweep_dead_segments
@@ -50,10 +52,32 @@ _SAME_NODE = "cma"
 _SAME_NODE_FALLBACK = "shm"
 _SAME_NODE_CUDA = "cuda_ipc"
 _CROSS_NODE = "tcp"
-
-_refused_cma: set[tuple[str, int]] = set()  # (node id, pid) of producers cma cannot read
-_refused_nixl: set[tuple[str, int]] = set()  # ... and those nixl failed to read
 _CROSS_NODE_ENGINE = "nixl"
+_REFUSALS_KEPT = 1024
+
+
+class _Refusals:
+    """Producer processes a transport failed to read, so ``auto`` reads them over
+    the next choice. Keyed by process token: a restarted producer is a new
+    process and gets a fresh try. Bounded: the oldest are forgotten."""
+
+    def __init__(self) -> None:
+        self._seen: OrderedDict[bytes, None] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def add(self, producer: ProducerInfo) -> None:
+        with self._lock:
+            self._seen[producer.process_token] = None
+            while len(self._seen) > _REFUSALS_KEPT:
+                self._seen.popitem(last=False)
+
+    def __contains__(self, producer: ProducerInfo) -> bool:
+        with self._lock:
+            return producer.process_token in self._seen
+
+
+_refused_cma = _Refusals()  # producers whose memory the kernel refuses to cross-read
+_refused_nixl = _Refusals()  # ... and those nixl failed to read
 _logged_fallbacks: set[str] = set()
 _lock = threading.Lock()
 
@@ -110,13 +134,13 @@ def _choose_auto(payload: Payload, same_node: bool) -> str:
     if same_node:
         if cuda:
             return _SAME_NODE_CUDA
-        if (producer.node_id, producer.pid) in _refused_cma:
+        if producer in _refused_cma:
             return _SAME_NODE_FALLBACK
         return _SAME_NODE
     if (
         _CROSS_NODE_ENGINE in producer.transports
-        and (producer.node_id, producer.pid) not in _refused_nixl
-        and _nixl_installed()
+        and producer not in _refused_nixl
+        and nixl.installed()
     ):
         return _CROSS_NODE_ENGINE
     backend = "nccl" if cuda else "gloo"  # a group both are in, if any
@@ -124,12 +148,6 @@ def _choose_auto(payload: Payload, same_node: bool) -> str:
     if groups is not None and transport_instance(backend).reachable(groups):
         return backend
     return _CROSS_NODE
-
-
-def _nixl_installed() -> bool:
-    from raydirect.transports.nixl import installed
-
-    return installed()
 
 
 def _log_fallback_once(wanted: str, why: str) -> None:
@@ -161,10 +179,10 @@ def fetch_tensors(
 ) -> list[Any]:
     """The tensors of ``payload`` in this process (copies, or the originals when
     this process produced them); tensor ``i`` lands in ``into[i]`` where given
-    (targets already checked by ``_targets.match``)."""
+    (targets already checked by ``_into.match``)."""
     into = into or {}
     producer = payload.producer
-    if producer.process_token == _agent.PROCESS_TOKEN:
+    if producer.process_token == _process.PROCESS_TOKEN:
         obj = store.get(payload.obj_id)
         if obj is None:
             raise ProducerLostError.of(producer.describe(), "already freed the object")
@@ -177,8 +195,7 @@ def fetch_tensors(
         try:
             return _receive_bytes(name, payload, deadline, forced, into)
         except (TransferError, TransportUnavailableError, ImportError) as exc:
-            with _lock:
-                _refused_nixl.add((producer.node_id, producer.pid))
+            _refused_nixl.add(producer)
             log.warning(
                 "raydirect: nixl could not read from %s (%s); reading it over the next choice",
                 producer.describe(),
@@ -196,7 +213,8 @@ def _receive_bytes(
     into: dict[int, Any],
 ) -> list[Any]:
     producer = payload.producer
-    comm = PeerMetadata(producer, payload.capability, deadline)
+    same_node = producer.node_id == _ray.node_id()
+    comm = PeerMetadata(producer, payload.capability, deadline, same_node)
     metas = payload.metas
     missing = [i for i in range(len(metas)) if i not in into]
     offsets, total = arena_layout([metas[i] for i in missing])
@@ -212,15 +230,14 @@ def _receive_bytes(
         except TransportUnavailableError:
             if name != _SAME_NODE or (forced or payload.transport) != AUTO:
                 raise
-            with _lock:
-                _refused_cma.add((producer.node_id, producer.pid))
+            _refused_cma.add(producer)
             log.info(
                 "raydirect: cross-memory reads refused; using %r on this node", _SAME_NODE_FALLBACK
             )
             name = _SAME_NODE_FALLBACK
             _receive(name, payload, comm, targets)
     except ProducerLostError:
-        if producer.node_id == _ray.node_id():
+        if same_node:
             sweep_dead_segments(producer.pid)
         raise
     store.count_received(name, payload.nbytes)
@@ -252,17 +269,34 @@ def _transport_meta(payload: Payload, name: str, deadline: float | None) -> Any:
     on_request = name not in payload.transport_meta and _prepared_on_request(name)
     if meta != PREPARING and not on_request:
         return meta
+    who = payload.producer.describe()
     header: dict[str, Any] = {
+        "op": _wire.META,
         "obj": payload.obj_id.hex(),
         "cap": payload.capability.hex(),
         "transport": name,
         "prepare": on_request,
+        "timeout": None if deadline is None else max(0.0, deadline - time.monotonic()),
     }
-    meta = _agent.prepared_metadata(
-        payload.producer.agent_address, header, deadline, payload.producer.describe()
-    )
+    answer, frames = _channel.ask(payload.producer.agent_address, header, deadline, who)
+    try:
+        meta = _wire.decode_value(answer["meta"], [f.bytes for f in frames], _metadata_classes())
+    except (ValueError, TypeError, KeyError, IndexError) as exc:
+        raise TransferError(f"corrupt metadata from {who}: {exc}") from exc
     payload.transport_meta[name] = meta  # once per rebuilt Payload
     return meta
+
+
+def _metadata_classes() -> dict[str, type]:
+    """The metadata classes a reply may name: those loaded in this process
+    (a plug-in's arrive with its registration)."""
+    found: dict[str, type] = {}
+    todo: list[type] = [TensorTransportMetadata]
+    while todo:
+        cls = todo.pop()
+        found[_wire.class_key(cls)] = cls
+        todo.extend(cls.__subclasses__())
+    return found
 
 
 def _prepared_on_request(name: str) -> bool:
@@ -304,9 +338,9 @@ def _abort_both_sides(transport: Any, name: str, payload: Payload, comm: Any) ->
     obj_id = payload.obj_id.hex()
     try:
         transport.abort_transport(obj_id, comm)
-        _agent.notify(
+        _channel.notify(
             payload.producer.agent_address,
-            {"op": "abort", "obj": obj_id, "cap": payload.capability.hex(), "transport": name},
+            {"op": _wire.ABORT, "obj": obj_id, "cap": payload.capability.hex(), "transport": name},
         )
     except Exception:  # aborting is best effort; the failure is reported either way
         log.debug("raydirect: aborting %s failed", name, exc_info=True)
@@ -333,10 +367,13 @@ def fetch_value(
     targets: dict[int, Any] | None = None,
 ) -> Any:
     """The value ``payload`` stands for, rebuilt in this process; into
-    ``targets`` (from ``_targets.match``) where given, else into those of an
+    ``targets`` (from ``_into.match``) where given, else into those of an
     ``rd.set_target`` hint."""
     hint = take_hint(payload.obj_id)
     if targets is None and hint is not None:
         targets = match(payload, hint)
     tensors = fetch_tensors(payload, deadline, forced, targets)
     return join(payload.skeleton, tensors, payload.handles)
+
+
+_payload.set_fetcher(fetch_value)

@@ -1,0 +1,72 @@
+"""The agent runtime: this process's one server, started on first use.
+
+Starting it allows cross-memory reads of this process (``cma``), removes what
+dead producers on this node left in shared memory, binds the server to the
+node's Ray address and announces it in Ray's key-value store for
+``raydirect status``. The ``stats`` op is served from here.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import threading
+from typing import Any
+
+from raydirect import _process, _ray, _server, _wire
+from raydirect._server import CONTROL, Reply, Server
+from raydirect._store import store
+from raydirect.transports.shm import sweep_dead_segments
+
+log = logging.getLogger("raydirect")
+
+_agent: Server | None = None
+_agent_lock = threading.Lock()
+
+
+def agent(label: str | None = None) -> Server:
+    """This process's agent, started on first use. ``label`` names the process in
+    ``raydirect status`` (default: the task running now)."""
+    global _agent
+    if _agent is None:
+        with _agent_lock:
+            if _agent is None:
+                _process.allow_memory_reads()
+                sweep_dead_segments()
+                _agent = Server(_ray.node_ip())
+                _announce(_agent, label)
+                if _ray.tls_enabled():
+                    log.warning(
+                        "raydirect: Ray TLS is on (RAY_USE_TLS), but raydirect's control channel "
+                        "and tcp transport are not encrypted: requests are authenticated, yet "
+                        "tensor bytes cross the network in clear. Keep nodes on a trusted "
+                        "network, or use a transport your network encrypts."
+                    )
+    return _agent
+
+
+def _announce(server: Server, label: str | None) -> None:
+    """Publish this agent for ``raydirect status``; withdrawn at a clean exit."""
+    key = f"{_ray.node_id()}/{_process.PID}"
+    info = {
+        "address": server.address,
+        "pid": _process.PID,
+        "node_id": _ray.node_id(),
+        "actor_id": _ray.current_actor_id(),
+        "label": label or _ray.current_task_label(),
+    }
+    try:
+        _ray.publish_agent(key, json.dumps(info).encode())
+        atexit.register(_ray.withdraw_agent, key)
+    except Exception:  # status is a convenience: never fail a transfer for it
+        log.debug("raydirect: could not publish the agent", exc_info=True)
+
+
+def _serve_stats(request: dict[str, Any], reply: Reply) -> None:
+    # Counts only, no tensor data: needs no capability.
+    reply.send({"ok": True, "stats": dataclasses.asdict(store.stats())})
+
+
+_server.register(_wire.STATS, _serve_stats, needs_object=False, lane=CONTROL)

@@ -1,0 +1,269 @@
+"""The producer's side of the control channel: a ROUTER that dispatches ops.
+
+The server is a ZeroMQ ROUTER bound to this node's Ray address on a daemon
+thread. It serves while the actor's own thread is busy (sync, threaded and
+async actors alike); Ray actor calls cannot, because a sync actor runs them
+only after its current task.
+
+It knows no op's meaning. Each layer registers the ops it owns (``register``),
+as dask/distributed's ``Server(handlers=...)`` is filled by its extensions:
+the producer registers fetch/meta/sent/abort, the group API the group ops, the
+agent runtime ``stats``. The server checks what every op needs before its
+handler runs: the cluster's auth proof, and for object ops that the object is
+held here and the request carries its capability.
+
+Handlers run on worker threads, in one of two lanes: ``DATA`` for ops that may
+take long (streaming an object, waiting for background preparation), and
+``CONTROL`` for short ones (notices, group ops, stats), so slow consumers never
+hold up the rest. Replies reach the ROUTER socket through an inproc queue
+because a ZeroMQ socket belongs to one thread.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from raydirect import _wire
+from raydirect._store import StoredObject, store
+
+log = logging.getLogger("raydirect")
+
+DATA = "data"
+CONTROL = "control"
+_LANE_THREADS = {DATA: 4, CONTROL: 2}
+# Requests are small JSON; a peer sending more is not a raydirect process and
+# is disconnected by ZeroMQ before the agent buffers it.
+MAX_REQUEST_BYTES = 1 << 20
+
+
+class Reply:
+    """How a handler answers one request (from its worker thread)."""
+
+    def __init__(self, outbox_address: str, identity: bytes, local: threading.local) -> None:
+        self._address = outbox_address
+        self._identity = identity
+        self._local = local
+
+    def _socket(self) -> zmq.Socket:
+        sock = getattr(self._local, "push", None)
+        if sock is None:
+            sock = zmq.Context.instance().socket(zmq.PUSH)
+            sock.setsockopt(zmq.SNDHWM, 0)
+            sock.connect(self._address)
+            self._local.push = sock
+        return sock
+
+    def send(self, header: dict[str, Any], *frames: Any, copy: bool = True) -> None:
+        """One message: a JSON header and optional raw frames (sent zero-copy with
+        ``copy=False``; ZeroMQ then holds a reference to each buffer until sent)."""
+        parts = [self._identity, _wire.encode_header(header), *frames]
+        self._socket().send_multipart(parts, copy=copy)
+
+    def send_frame(self, frame: Any) -> None:
+        """One message of raw bytes, zero-copy: a chunk of a stream."""
+        self._socket().send_multipart([self._identity, frame], copy=False)
+
+
+ObjectHandler = Callable[[StoredObject, dict[str, Any], Reply], None]
+PlainHandler = Callable[[dict[str, Any], Reply], None]
+
+
+@dataclass(frozen=True)
+class Handler:
+    fn: Callable[..., None]
+    needs_object: bool
+    lane: str
+
+
+_handlers: dict[str, Handler] = {}
+
+
+def register(op: str, fn: Callable[..., None], *, needs_object: bool, lane: str) -> None:
+    """Serve ``op`` with ``fn``: ``fn(obj, request, reply)`` when ``needs_object``
+    (the server found the object and checked the capability), else
+    ``fn(request, reply)``. A handler that raises sends the consumer a refusal."""
+    if lane not in _LANE_THREADS:
+        raise ValueError(f"unknown lane {lane!r}")
+    _handlers[op] = Handler(fn, needs_object, lane)
+
+
+def registered_ops() -> list[str]:
+    return sorted(_handlers)
+
+
+def _peer_of(frame: zmq.Frame) -> str:
+    try:
+        return str(frame.get("Peer-Address"))
+    except zmq.ZMQError:
+        return "?"
+
+
+class Server:
+    def __init__(self, ip: str) -> None:
+        ctx: zmq.Context = zmq.Context.instance()
+        self._router = ctx.socket(zmq.ROUTER)
+        for opt, value in (
+            (zmq.SNDHWM, 0),
+            (zmq.RCVHWM, 0),
+            (zmq.ROUTER_MANDATORY, 1),
+            # A consumer that reconnects keeps its routing id: replies follow it.
+            (zmq.ROUTER_HANDOVER, 1),
+            (zmq.LINGER, 0),
+            (zmq.MAXMSGSIZE, MAX_REQUEST_BYTES),
+        ):
+            self._router.setsockopt(opt, value)
+        port = self._router.bind_to_random_port(f"tcp://{ip}")
+        self.address = f"tcp://{ip}:{port}"
+        self._outbox_address = f"inproc://raydirect-outbox-{id(self)}"
+        self._outbox = ctx.socket(zmq.PULL)
+        self._outbox.setsockopt(zmq.RCVHWM, 0)
+        self._outbox.bind(self._outbox_address)
+        self._lanes = {
+            lane: ThreadPoolExecutor(n, thread_name_prefix=f"raydirect-{lane}")
+            for lane, n in _LANE_THREADS.items()
+        }
+        self._worker_local = threading.local()
+        self._thread = threading.Thread(target=self._loop, name="raydirect-agent", daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._router, zmq.POLLIN)
+        poller.register(self._outbox, zmq.POLLIN)
+        while True:
+            # Nothing a peer sends, nor a bug below, may end the agent: log, keep serving.
+            try:
+                events = dict(poller.poll())
+                if self._outbox in events:  # replies first: they free waiting consumers
+                    self._forward_replies()
+                if self._router in events:
+                    self._dispatch_requests()
+            except Exception:
+                log.exception("raydirect agent: unexpected error; still serving")
+
+    def _forward_replies(self) -> None:
+        while True:
+            try:
+                parts = self._outbox.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self._router.send_multipart(parts, copy=False)
+            except zmq.ZMQError as exc:  # consumer gone (ROUTER_MANDATORY)
+                log.debug("raydirect agent: reply dropped: %s", exc)
+
+    def _dispatch_requests(self) -> None:
+        while True:
+            try:
+                parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            if len(parts) < 2:  # a single-frame message: malformed
+                continue
+            handler = _handlers.get(_peek_op(parts[1]))
+            lane = handler.lane if handler is not None else CONTROL
+            self._lanes[lane].submit(self._handle, parts[0].bytes, parts[1])
+
+    def _handle(self, identity: bytes, frame: zmq.Frame) -> None:
+        reply = Reply(self._outbox_address, identity, self._worker_local)
+        request: Any = None
+        try:
+            request = json.loads(frame.bytes)
+            if not _wire.authenticated(request):
+                self._refuse_unauthenticated(request, frame, reply)
+                return
+            handler = _handlers.get(request["op"])
+            if handler is None:
+                reply.send(_wire.refusal(_wire.BAD_REQUEST, f"unknown op {request['op']!r}"))
+                return
+            obj = self._object_for(request, frame, reply) if handler.needs_object else None
+        # Anything a hostile peer can make json or the field checks raise (a
+        # RecursionError from deeply nested JSON, say) is a refusal, never silence.
+        except Exception as exc:
+            log.warning(
+                "raydirect agent: malformed request from %s refused (%s)",
+                _peer_of(frame),
+                type(exc).__name__,
+            )
+            if request is None or _wire.wants_reply(request):
+                reply.send(
+                    _wire.refusal(_wire.BAD_REQUEST, f"malformed request: {type(exc).__name__}")
+                )
+            return
+        if handler.needs_object and obj is None:
+            return  # refused by _object_for
+        self._run(handler, obj, request, reply)
+
+    @staticmethod
+    def _run(handler: Handler, obj: StoredObject | None, request: dict, reply: Reply) -> None:
+        try:
+            if handler.needs_object:
+                handler.fn(obj, request, reply)
+            else:
+                handler.fn(request, reply)
+        except Exception as exc:
+            log.exception("raydirect agent: %r failed", str(request.get("op"))[:32])
+            if _wire.wants_reply(request):
+                reply.send(_wire.refusal(_wire.TRANSFER, f"{type(exc).__name__}: {exc}"))
+
+    @staticmethod
+    def _refuse_unauthenticated(request: Any, frame: zmq.Frame, reply: Reply) -> None:
+        log.warning(
+            "raydirect agent: request from %s without the Ray cluster's token refused",
+            _peer_of(frame),
+        )
+        if _wire.wants_reply(request):
+            reply.send(
+                _wire.refusal(
+                    _wire.UNAUTHENTICATED,
+                    "request refused: it does not carry this Ray cluster's auth token "
+                    "(RAY_AUTH_MODE=token)",
+                )
+            )
+
+    @staticmethod
+    def _object_for(request: dict[str, Any], frame: zmq.Frame, reply: Reply) -> StoredObject | None:
+        """The object a request names, if held here and the capability matches."""
+        obj_id = bytes.fromhex(request["obj"])
+        capability = bytes.fromhex(request["cap"])
+        obj = store.get(obj_id)
+        if obj is not None and hmac.compare_digest(obj.capability, capability):
+            return obj
+        op = request.get("op")
+        # Never log a capability, nor more of an object id than tells objects apart.
+        log.log(
+            logging.DEBUG if op in _wire.NOTIFY_OPS else logging.WARNING,
+            "raydirect agent: %r for %s from %s refused: %s",
+            str(op)[:32],
+            obj_id.hex()[:8],
+            _peer_of(frame),
+            "wrong capability" if obj is not None else "no such object (freed, or never here)",
+        )
+        if _wire.wants_reply(request):
+            reply.send(
+                _wire.refusal(
+                    _wire.LOST, "object not held here: it was freed, or its producer restarted"
+                )
+            )
+        return None
+
+
+def _peek_op(frame: zmq.Frame) -> str:
+    """The op of a request, cheaply, only to pick its lane (the handler re-checks
+    everything); unknown or malformed goes to the control lane."""
+    data = frame.bytes
+    start = data.find(b'"op": "')
+    if start < 0:
+        return ""
+    start += 7
+    end = data.find(b'"', start, start + 32)
+    return data[start:end].decode("ascii", "replace") if end > 0 else ""
