@@ -17,6 +17,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import ray
 import torch
@@ -444,10 +445,23 @@ def test_plugin_metadata_round_trips_without_pickle():
     meta = PickleShmMetadata(
         tensor_meta=[(torch.Size([2, 3]), torch.bfloat16), ((), torch.bool)],
         tensor_device="cpu",
-        extra={"blob": b"\x00\xff", 3: (1, 2.5, None)},
+        extra={
+            "blob": b"\x00\xff",
+            3: (1, 2.5, None),
+            "np": [
+                np.dtype("float32"),
+                np.float64(1.5),
+                np.arange(6, dtype=np.int16).reshape(2, 3),
+            ],
+        },
         path="/dev/shm/rdplug-x",
     )
     frames: list[bytes] = []
     data = json.loads(json.dumps(_wire.encode_value(meta, frames)))  # what the wire carries
     back = _wire.decode_value(data, frames, _consumer._metadata_classes())
-    assert back == meta and type(back) is PickleShmMetadata
+    assert type(back) is PickleShmMetadata and back.path == meta.path
+    assert back.tensor_meta == meta.tensor_meta and back.extra["blob"] == meta.extra["blob"]
+    assert back.extra[3] == (1, 2.5, None)
+    np_dtype, scalar, array = back.extra["np"]
+    assert np_dtype == np.dtype("float32") and scalar == 1.5
+    assert array.tolist() == [[0, 1, 2], [3, 4, 5]] and array.dtype == np.int16

@@ -18,6 +18,7 @@ import hmac
 import json
 from typing import Any
 
+import numpy as np
 import torch
 
 from raydirect import _ray
@@ -132,6 +133,13 @@ def encode_value(value: Any, frames: list[bytes]) -> Any:
         return {"__bytes__": len(frames) - 1}
     if isinstance(value, torch.dtype):
         return {"__dtype__": str(value).removeprefix("torch.")}
+    if isinstance(value, np.dtype) and not value.hasobject:
+        return {"__npdtype__": value.str}
+    if isinstance(value, np.generic):
+        return encode_value(value.item(), frames)
+    if isinstance(value, np.ndarray) and not value.dtype.hasobject:
+        frames.append(np.ascontiguousarray(value).tobytes())
+        return {"__ndarray__": len(frames) - 1, "dtype": value.dtype.str, "shape": value.shape}
     if isinstance(value, list):
         return [encode_value(v, frames) for v in value]
     if isinstance(value, tuple):  # torch.Size too
@@ -152,7 +160,8 @@ def encode_value(value: Any, frames: list[bytes]) -> Any:
         return {"__dataclass__": f"{cls.__module__}:{cls.__qualname__}", "fields": fields}
     raise TypeError(
         f"transport metadata holds a {type(value).__name__}, which raydirect cannot send "
-        "without pickle; use plain values, bytes, tuples, dicts, dtypes and dataclasses"
+        "without pickle; use plain values, bytes, tuples, dicts, torch and numpy dtypes, "
+        "numpy arrays and dataclasses"
     )
 
 
@@ -169,6 +178,14 @@ def decode_value(data: Any, frames: list[bytes], classes: dict[str, type]) -> An
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"unknown dtype {data['__dtype__']!r}")
         return dtype
+    if "__npdtype__" in data:
+        return np.dtype(str(data["__npdtype__"]))
+    if "__ndarray__" in data:
+        raw = frames[int(data["__ndarray__"])]
+        dtype = np.dtype(str(data["dtype"]))
+        if dtype.hasobject:
+            raise ValueError("object arrays are refused")
+        return np.frombuffer(raw, dtype=dtype).reshape([int(n) for n in data["shape"]]).copy()
     if "__tuple__" in data:
         return tuple(decode_value(v, frames, classes) for v in data["__tuple__"])
     if "__dict__" in data:
