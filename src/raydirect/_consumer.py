@@ -25,7 +25,8 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -33,8 +34,16 @@ import torch
 from raydirect import _channel, _payload, _process, _ray, _wire
 from raydirect._into import copy_into, match, take_hint, writable_bytes
 from raydirect._payload import PREPARING, Payload, ProducerInfo, join
-from raydirect._store import store
-from raydirect._tensors import allocate_bytes, arena_layout, finish, tensors_from_arena
+from raydirect._ranges import Ranges
+from raydirect._store import StoredObject, store
+from raydirect._tensors import (
+    allocate_bytes,
+    arena_layout,
+    as_tensor,
+    finish,
+    flat_bytes,
+    tensors_from_arena,
+)
 from raydirect.errors import (
     GroupError,
     ProducerLostError,
@@ -42,11 +51,12 @@ from raydirect.errors import (
     TransportUnavailableError,
 )
 from raydirect.transports import nixl
-from raydirect.transports.base import PeerMetadata, TensorTransportMetadata
+from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 from raydirect.transports.registry import AUTO, check_name, transport_class, transport_instance
 from raydirect.transports.shm import sweep_dead_segments
 
 log = logging.getLogger("raydirect")
+T = TypeVar("T")
 
 _SAME_NODE = "cma"
 _SAME_NODE_FALLBACK = "shm"
@@ -181,28 +191,60 @@ def fetch_tensors(
     this process produced them); tensor ``i`` lands in ``into[i]`` where given
     (targets already checked by ``_into.match``)."""
     into = into or {}
-    producer = payload.producer
-    if producer.process_token == _process.PROCESS_TOKEN:
-        obj = store.get(payload.obj_id)
-        if obj is None:
-            raise ProducerLostError.of(producer.describe(), "already freed the object")
+    if payload.producer.process_token == _process.PROCESS_TOKEN:
+        obj = _own_object(payload)
         store.count_received("local", obj.nbytes)
         return _fill(list(obj.originals), into)
     name = choose_transport(payload, forced)
     if not transport_class(name).byte_transport:
         return _fill(_receive_plugin(name, payload, deadline), into)
+    return _with_fallback(
+        payload, forced, name, lambda n: _receive_bytes(n, payload, deadline, forced, into)
+    )
+
+
+def fetch_ranges(
+    payload: Payload, ranges: Ranges, deadline: float | None = None, forced: str | None = None
+) -> None:
+    """Read just ``ranges`` of ``payload``'s tensors into ``ranges.dests``. Byte
+    transports that are ``ranged`` move only those bytes; the others (and
+    plug-ins) read whole tensors here, then the ranges are copied out."""
+    if payload.producer.process_token == _process.PROCESS_TOKEN:
+        _copy_ranges(_own_object(payload).buffers, ranges)
+        store.count_received("local", ranges.nbytes)
+        return
+    name = choose_transport(payload, forced)
+    if not transport_class(name).byte_transport:
+        received = _receive_plugin(name, payload, deadline)
+        _copy_ranges([flat_bytes(as_tensor(t)) for t in received], ranges)  # type: ignore[arg-type]
+        return
+    _with_fallback(
+        payload, forced, name, lambda n: _read_bytes(n, payload, deadline, forced, ranges)
+    )
+
+
+def _own_object(payload: Payload) -> StoredObject:
+    obj = store.get(payload.obj_id)
+    if obj is None:
+        raise ProducerLostError.of(payload.producer.describe(), "already freed the object")
+    return obj
+
+
+def _with_fallback(payload: Payload, forced: str | None, name: str, read: Callable[[str], T]) -> T:
+    """``read(name)``; under ``auto``, a producer nixl fails to read is read over
+    the next choice (and from then on)."""
     if name == _CROSS_NODE_ENGINE and (forced or payload.transport) == AUTO:
         try:
-            return _receive_bytes(name, payload, deadline, forced, into)
+            return read(name)
         except (TransferError, TransportUnavailableError, ImportError) as exc:
-            _refused_nixl.add(producer)
+            _refused_nixl.add(payload.producer)
             log.warning(
                 "raydirect: nixl could not read from %s (%s); reading it over the next choice",
-                producer.describe(),
+                payload.producer.describe(),
                 exc,
             )
             name = choose_transport(payload, forced)
-    return _receive_bytes(name, payload, deadline, forced, into)
+    return read(name)
 
 
 def _receive_bytes(
@@ -212,9 +254,6 @@ def _receive_bytes(
     forced: str | None,
     into: dict[int, Any],
 ) -> list[Any]:
-    producer = payload.producer
-    same_node = producer.node_id == _ray.node_id()
-    comm = PeerMetadata(producer, payload.capability, deadline, same_node)
     metas = payload.metas
     missing = [i for i in range(len(metas)) if i not in into]
     offsets, total = arena_layout([metas[i] for i in missing])
@@ -224,9 +263,26 @@ def _receive_bytes(
         targets[i] = arena[off : off + metas[i].nbytes]  # type: ignore[index]
     for i, target in into.items():
         targets[i] = writable_bytes(target)
+    _read_bytes(name, payload, deadline, forced, Ranges.of_whole(targets))
+    out: list[Any] = list(into.get(i) for i in range(len(metas)))
+    if arena is not None:
+        received = tensors_from_arena(arena, [metas[i] for i in missing], offsets)
+        for i, tensor in zip(missing, received, strict=True):
+            out[i] = tensor
+    return out
+
+
+def _read_bytes(
+    name: str, payload: Payload, deadline: float | None, forced: str | None, ranges: Ranges
+) -> None:
+    """Read ``ranges`` over byte transport ``name``; under ``auto``, a producer
+    whose memory the kernel refuses to cross-read is read over ``shm``."""
+    producer = payload.producer
+    same_node = producer.node_id == _ray.node_id()
+    comm = PeerMetadata(producer, payload.capability, deadline, same_node)
     try:
         try:
-            _receive(name, payload, comm, targets)
+            _read(name, payload, comm, ranges)
         except TransportUnavailableError:
             if name != _SAME_NODE or (forced or payload.transport) != AUTO:
                 raise
@@ -235,18 +291,12 @@ def _receive_bytes(
                 "raydirect: cross-memory reads refused; using %r on this node", _SAME_NODE_FALLBACK
             )
             name = _SAME_NODE_FALLBACK
-            _receive(name, payload, comm, targets)
+            _read(name, payload, comm, ranges)
     except ProducerLostError:
         if same_node:
             sweep_dead_segments(producer.pid)
         raise
-    store.count_received(name, payload.nbytes)
-    out: list[Any] = list(into.get(i) for i in range(len(metas)))
-    if arena is not None:
-        received = tensors_from_arena(arena, [metas[i] for i in missing], offsets)
-        for i, tensor in zip(missing, received, strict=True):
-            out[i] = tensor
-    return out
+    store.count_received(name, ranges.nbytes)
 
 
 def _fill(tensors: list[Any], into: dict[int, Any]) -> list[Any]:
@@ -256,10 +306,27 @@ def _fill(tensors: list[Any], into: dict[int, Any]) -> list[Any]:
     return tensors
 
 
-def _receive(name: str, payload: Payload, comm: PeerMetadata, targets: list) -> None:
+def _read(name: str, payload: Payload, comm: PeerMetadata, ranges: Ranges) -> None:
     extra = _transport_meta(payload, name, comm.deadline) or {}
-    meta = TensorTransportMetadata(payload.metas, "cpu", extra)
-    transport_instance(name).recv_multiple_tensors(payload.obj_id, meta, comm, targets)
+    transport = transport_instance(name)
+    assert isinstance(transport, ByteTransport)
+    if ranges.whole or transport.ranged:
+        transport.read(payload.obj_id, extra, comm, ranges)
+        return
+    # Whole tensors into scratch memory, then the ranges out of it.
+    metas = payload.metas
+    offsets, total = arena_layout(metas)
+    scratch = allocate_bytes(total, _arena_device(name, payload))
+    whole = [scratch[off : off + m.nbytes] for off, m in zip(offsets, metas, strict=True)]
+    transport.read(payload.obj_id, extra, comm, Ranges.of_whole(whole))
+    _copy_ranges(whole, ranges)
+
+
+def _copy_ranges(sources: list[Any], ranges: Ranges) -> None:
+    """Copy ``ranges`` out of ``sources`` (flat uint8 tensors, one per tensor) locally."""
+    for row, dest in enumerate(ranges.dests):
+        view = ranges.strided_view(sources[int(ranges.index[row])], row)
+        dest.view(view.shape).copy_(view)
 
 
 def _transport_meta(payload: Payload, name: str, deadline: float | None) -> Any:

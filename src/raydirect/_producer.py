@@ -295,14 +295,16 @@ def _serve_fetch(obj: StoredObject, request: dict[str, Any], reply: Reply) -> No
     if not isinstance(transport, ByteTransport):
         raise TransferError(f"transport {name!r} is not served by the agent")
     obj.check_unmodified()
-    transport.serve(obj, request, reply)
-    store.count_sent(name, obj.nbytes)
+    store.count_sent(name, transport.serve(obj, request, reply))
 
 
 def _serve_sent(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
-    # A one-sided read finished: count it, check for in-place writes.
+    # A one-sided read finished: count it (all bytes, or the ranges read), check for
+    # in-place writes.
     obj.check_unmodified()
-    store.count_sent(str(request.get("transport", "?")), obj.nbytes)
+    nbytes = request.get("nbytes")
+    nbytes = min(nbytes, obj.nbytes) if isinstance(nbytes, int) and nbytes >= 0 else obj.nbytes
+    store.count_sent(str(request.get("transport", "?")), nbytes)
 
 
 def _serve_abort(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from raydirect import _channel, _process, _wire
 from raydirect._channel import Channel
+from raydirect._ranges import Ranges
 from raydirect.errors import ProducerLostError
 
 if TYPE_CHECKING:
@@ -260,17 +261,21 @@ class ByteTransport(TensorTransportManager):
     byte_transport = True
     extract_in_background = False  # the built-ins' extraction is cheap, except nixl's
     notify_sent: ClassVar[bool] = False
+    ranged: ClassVar[bool] = False
+    """True if ``receive`` reads any ``Ranges``; False if it reads only whole
+    objects (the orchestration then reads whole tensors and copies the slices)."""
 
     def extract_tensor_transport_metadata(
         self, obj_id: Any, tensors: list[Any]
     ) -> TensorTransportMetadata:
         return TensorTransportMetadata(tensor_meta=[])
 
-    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
+    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> int:
         """Called in the producer's agent (a worker thread) when a consumer asks
-        for ``obj`` over this transport. Answers through ``reply``; raising sends the
-        consumer a ``TransferError`` with the exception's text. May run concurrently
-        for different objects and for the same object."""
+        for ``obj`` over this transport. Answers through ``reply`` and returns the
+        bytes the consumer gets (all of the object's, or the ranges it asked for);
+        raising sends the consumer a ``TransferError`` with the exception's text.
+        May run concurrently for different objects and for the same object."""
         raise NotImplementedError(f"transport {self.name!r} serves no agent requests")
 
     def recv_multiple_tensors(
@@ -282,28 +287,37 @@ class ByteTransport(TensorTransportManager):
     ) -> list[Any]:
         if not isinstance(comm_meta, PeerMetadata) or target_buffers is None:
             raise TypeError("byte transports are called by raydirect's orchestration only")
-        self.receive(obj_id, meta.extra, comm_meta, target_buffers)
+        self.read(obj_id, meta.extra, comm_meta, Ranges.of_whole(target_buffers))
+        return target_buffers
+
+    def read(
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
+    ) -> None:
+        """What the orchestration calls: ``receive``, then the "sent" notice for
+        transports whose reads the producer's agent does not see."""
+        self.receive(obj_id, extra, link, ranges)
         if self.notify_sent:
             _channel.notify(
-                comm_meta.producer.agent_address,
+                link.producer.agent_address,
                 {
                     "op": _wire.SENT,
                     "obj": obj_id.hex(),
-                    "cap": comm_meta.capability.hex(),
+                    "cap": link.capability.hex(),
                     "transport": self.name,
+                    "nbytes": ranges.nbytes,
                 },
             )
-        return target_buffers
 
     @abstractmethod
     def receive(
-        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
     ) -> None:
-        """Fill ``targets`` (flat uint8, one per tensor, possibly empty) with the
-        object's bytes, or raise: ``ProducerLostError`` when the producer is gone,
-        ``TimeoutError`` past ``link.deadline``, ``TransportUnavailableError``
-        when this transport cannot reach it, ``TransferError`` otherwise. After a
-        raise the targets may hold some, all or none of the bytes."""
+        """Fill ``ranges.dests`` with the bytes ``ranges`` names (whole tensors
+        unless the class is ``ranged``), or raise: ``ProducerLostError`` when the
+        producer is gone, ``TimeoutError`` past ``link.deadline``,
+        ``TransportUnavailableError`` when this transport cannot reach it,
+        ``TransferError`` otherwise. After a raise the destinations may hold
+        some, all or none of the bytes."""
 
     def ask_producer(
         self, ch: Channel, obj_id: bytes, comm_meta: PeerMetadata, **extra: Any

@@ -16,8 +16,10 @@ import errno
 import os
 from typing import Any
 
+import numpy as np
 import torch
 
+from raydirect._ranges import Ranges
 from raydirect.errors import ProducerLostError, TransferError, TransportUnavailableError
 from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
@@ -25,75 +27,84 @@ _IOV_MAX = 1024
 _CALL_BYTES = 64 << 20  # bytes per system call, so a deadline is noticed
 
 
-class _Iovec(ctypes.Structure):
-    _fields_ = [("iov_base", ctypes.c_void_p), ("iov_len", ctypes.c_size_t)]
-
-
 _libc = ctypes.CDLL(None, use_errno=True)
 _readv = _libc.process_vm_readv
+# iovec arrays are built with numpy (two uint64 per vector), passed as pointers.
 _readv.argtypes = [
     ctypes.c_int,
-    ctypes.POINTER(_Iovec),
+    ctypes.c_void_p,
     ctypes.c_ulong,
-    ctypes.POINTER(_Iovec),
+    ctypes.c_void_p,
     ctypes.c_ulong,
     ctypes.c_ulong,
 ]
 _readv.restype = ctypes.c_ssize_t
 
 
-def _pieces(spans: list[tuple[int, int, int]]):
-    """Cut (local, remote, length) spans into system calls of at most
-    ``_IOV_MAX`` vectors and ``_CALL_BYTES`` bytes."""
-    batch: list[tuple[int, int, int]] = []
-    size = 0
-    for local, remote, length in spans:
-        pos = 0
-        while pos < length:
-            take = min(length - pos, _CALL_BYTES - size)
-            batch.append((local + pos, remote + pos, take))
-            size += take
-            pos += take
-            if size >= _CALL_BYTES or len(batch) >= _IOV_MAX:
-                yield batch
-                batch, size = [], 0
-    if batch:
-        yield batch
+def _split_long(src: np.ndarray, dst: np.ndarray, length: np.ndarray):
+    """Cut runs longer than ``_CALL_BYTES`` so a deadline is noticed between calls."""
+    if not len(length) or int(length.max()) <= _CALL_BYTES:
+        return src, dst, length
+    parts = (length + _CALL_BYTES - 1) // _CALL_BYTES
+    k = np.arange(int(parts.sum()), dtype=np.int64) - np.repeat(np.cumsum(parts) - parts, parts)
+    start = k * _CALL_BYTES
+    pieces = np.minimum(np.repeat(length, parts) - start, _CALL_BYTES)
+    return np.repeat(src, parts) + start, np.repeat(dst, parts) + start, pieces
+
+
+def _batches(length: np.ndarray):
+    """(first, last) rows of each system call: at most ``_IOV_MAX`` vectors and
+    about ``_CALL_BYTES`` bytes."""
+    first, n = 0, len(length)
+    ends = np.cumsum(length)
+    while first < n:
+        base = ends[first - 1] if first else 0
+        by_bytes = int(np.searchsorted(ends, base + _CALL_BYTES, side="right"))
+        last = min(n, first + _IOV_MAX, max(by_bytes, first + 1))
+        yield first, last
+        first = last
 
 
 def read_remote(
-    pid: int, spans: list[tuple[int, int, int]], comm_meta: PeerMetadata, who: str
+    pid: int, src: np.ndarray, dst: np.ndarray, length: np.ndarray, link: PeerMetadata
 ) -> None:
-    """Copy each (local address, remote address, length) span from process ``pid``."""
-    for batch in _pieces(spans):
-        comm_meta.check_deadline()
-        while batch:
-            n = len(batch)
-            local = (_Iovec * n)(*[_Iovec(lo, ln) for lo, _, ln in batch])
-            remote = (_Iovec * n)(*[_Iovec(re, ln) for _, re, ln in batch])
-            got = _readv(pid, local, n, remote, n, 0)
-            if got < 0:
-                err = ctypes.get_errno()
-                if err == errno.ESRCH:
-                    raise ProducerLostError.of(who, "died")
-                if err == errno.EPERM:
-                    raise TransportUnavailableError(
-                        f"the kernel refuses cross-memory reads from {who} (EPERM): use "
-                        "tensor_transport='shm', or allow ptrace between processes of one "
-                        "user (kernel.yama.ptrace_scope=0)"
-                    )
-                raise TransferError(f"reading {who}'s memory failed: {os.strerror(err)}")
-            if got == 0:
-                raise TransferError(f"reading {who}'s memory returned no data")
-            # A partial read stops at a span boundary or inside one: skip what arrived.
-            while got > 0 and batch:
-                lo, re, ln = batch[0]
+    """Copy each run (remote address ``src``, local ``dst``, ``length`` bytes) from ``pid``."""
+    src, dst, length = _split_long(src, dst, length)
+    local = np.stack([dst, length], 1).astype(np.uint64)
+    remote = np.stack([src, length], 1).astype(np.uint64)
+    for first, last in _batches(length):
+        link.check_deadline()
+        while first < last:
+            n = last - first
+            got = _readv(pid, local[first:].ctypes.data, n, remote[first:].ctypes.data, n, 0)
+            if got <= 0:
+                _raise_for(got, link.who)
+            # A partial read stops at a run boundary or inside one: skip what arrived.
+            while got > 0:
+                ln = int(local[first, 1])
                 if got >= ln:
                     got -= ln
-                    batch.pop(0)
+                    first += 1
                 else:
-                    batch[0] = (lo + got, re + got, ln - got)
+                    for vec in (local, remote):
+                        vec[first, 0] += got
+                        vec[first, 1] -= got
                     got = 0
+
+
+def _raise_for(got: int, who: str) -> None:
+    if got == 0:
+        raise TransferError(f"reading {who}'s memory returned no data")
+    err = ctypes.get_errno()
+    if err == errno.ESRCH:
+        raise ProducerLostError.of(who, "died")
+    if err == errno.EPERM:
+        raise TransportUnavailableError(
+            f"the kernel refuses cross-memory reads from {who} (EPERM): use "
+            "tensor_transport='shm', or allow ptrace between processes of one "
+            "user (kernel.yama.ptrace_scope=0)"
+        )
+    raise TransferError(f"reading {who}'s memory failed: {os.strerror(err)}")
 
 
 class CmaTransport(ByteTransport):
@@ -102,6 +113,7 @@ class CmaTransport(ByteTransport):
     devices = ("cpu",)
     same_node_only = True
     notify_sent = True  # the producer does nothing in a read: tell it
+    ranged = True
 
     def extract_tensor_transport_metadata(
         self, obj_id: bytes, tensors: list[torch.Tensor]
@@ -111,12 +123,9 @@ class CmaTransport(ByteTransport):
         )
 
     def receive(
-        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
     ) -> None:
         # A pid names the producer only while it runs: a reused pid is another process.
         link.check_alive()
-        ptrs: list[Any] = extra["ptrs"]
-        spans = [
-            (t.data_ptr(), p, t.numel()) for t, p in zip(targets, ptrs, strict=True) if t.numel()
-        ]
-        read_remote(link.producer.pid, spans, link, link.who)
+        src, dst, length = ranges.runs(np.asarray(extra["ptrs"], dtype=np.int64))
+        read_remote(link.producer.pid, src, dst, length, link)

@@ -22,6 +22,7 @@ import torch
 
 from raydirect import _groups
 from raydirect._channel import channel
+from raydirect._ranges import Ranges
 from raydirect.errors import GroupError, TransportUnavailableError
 from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
@@ -62,7 +63,7 @@ class CollectiveTransport(ByteTransport):
             )
         return TensorTransportMetadata(tensor_meta=[], extra={"groups": groups})
 
-    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
+    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> int:
         group = _groups.local_group(str(request.get("group")))
         if group is None or group.generation != request.get("generation"):
             raise GroupError(f"the producer is no longer in group {request.get('group')!r}")
@@ -79,6 +80,7 @@ class CollectiveTransport(ByteTransport):
         except Exception as exc:
             _groups.mark_broken(group, f"sending to rank {dst} failed: {exc}")
             raise
+        return obj.nbytes
 
     # ---- consumer side
     def shared_group(self, extra: dict[str, Any]) -> tuple[_groups.Group, int] | None:
@@ -94,8 +96,9 @@ class CollectiveTransport(ByteTransport):
         return self.shared_group(extra) is not None
 
     def receive(
-        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
     ) -> None:
+        targets = ranges.dests  # whole tensors: this transport is not ``ranged``
         found = self.shared_group(extra)
         if found is None:
             raise TransportUnavailableError(

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from raydirect._ranges import Ranges
 from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
 
@@ -53,8 +54,9 @@ class CudaIpcTransport(ByteTransport):
         )
 
     def receive(
-        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
     ) -> None:
+        targets = ranges.dests  # whole tensors: this transport is not ``ranged``
         for target, handle in zip(targets, extra["handles"], strict=True):
             link.check_deadline()
             if not handle["nbytes"]:

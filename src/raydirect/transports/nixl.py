@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from raydirect import _process
+from raydirect._ranges import Ranges
 from raydirect.errors import ProducerLostError, TransferError
 from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
@@ -300,8 +301,9 @@ class NixlTransport(ByteTransport):
                     log.debug("raydirect: NIXL could not remove agent %s", name, exc_info=True)
 
     def receive(
-        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
     ) -> None:
+        targets = ranges.dests  # whole tensors: this transport is not ``ranged``
         if not extra:
             raise TransferError(f"the object of {link.who} carries no NIXL metadata")
         local, remote, mem, remote_mem = [], [], "DRAM", "DRAM"

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import logging
 import mmap
 import os
@@ -25,10 +26,12 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from raydirect import _process
 from raydirect._channel import channel
+from raydirect._ranges import Ranges
 from raydirect._tensors import arena_layout
 from raydirect.errors import TransferError
 from raydirect.transports.base import ByteTransport, PeerMetadata
@@ -200,23 +203,37 @@ class _MappedSegments:
         return view
 
 
-def _checked_reply(
-    header: dict[str, Any], targets: list[torch.Tensor], who: str
-) -> tuple[str, int, list[int]]:
+def _checked_reply(header: dict[str, Any], ranges: Ranges, who: str) -> tuple[str, int, np.ndarray]:
     """The segment a reply names, refusing anything that could make this process
     open another file or read past the segment."""
     try:
         name, size = str(header["segment"]), int(header["size"])
-        offsets = [int(o) for o in header["offsets"]]
+        offsets = np.array([int(o) for o in header["offsets"]], dtype=np.int64)
     except (KeyError, TypeError, ValueError) as exc:
         raise TransferError(f"corrupt reply from {who}: {exc}") from exc
     if not name.startswith(PREFIX) or "/" in name or name in (".", ".."):
         raise TransferError(f"corrupt reply from {who}: bad segment name {name!r}")
-    if len(offsets) != len(targets) or any(
-        off < 0 or off + t.numel() > size for off, t in zip(offsets, targets, strict=True)
-    ):
+    if ranges.whole and len(offsets) != len(ranges.dests):
+        raise TransferError(f"corrupt reply from {who}: tensor offsets outside the segment")
+    if len(ranges.index) and int(ranges.index.max()) >= len(offsets):
+        raise TransferError(f"corrupt reply from {who}: tensor offsets outside the segment")
+    ends = ranges.offset + (ranges.count - 1) * ranges.stride + ranges.length
+    if len(offsets) and ((offsets < 0).any() or (offsets[ranges.index] + ends > size).any()):
         raise TransferError(f"corrupt reply from {who}: tensor offsets outside the segment")
     return name, size, offsets
+
+
+def _copy_runs(src: np.ndarray, dst: np.ndarray, length: np.ndarray, link: PeerMetadata) -> None:
+    """memmove each run, noticing the deadline every ``_COPY_SLICE`` bytes."""
+    since_check = 0
+    for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
+        for pos in range(0, n, _COPY_SLICE):
+            take = min(_COPY_SLICE, n - pos)
+            ctypes.memmove(d + pos, s + pos, take)
+            since_check += take
+            if since_check >= _COPY_SLICE:
+                link.check_deadline()
+                since_check = 0
 
 
 class ShmTransport(ByteTransport):
@@ -224,6 +241,7 @@ class ShmTransport(ByteTransport):
     one_sided = True
     devices = ("cpu",)
     same_node_only = True
+    ranged = True  # the segment holds the whole object; each consumer copies out its ranges
 
     def __init__(self) -> None:
         self._pool: SegmentPool | None = None
@@ -234,7 +252,7 @@ class ShmTransport(ByteTransport):
             self._pool = SegmentPool()
         return self._pool
 
-    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
+    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> int:
         with obj.lock:  # consumers arriving together share one staging copy
             state = obj.transport_state.get(self.name)
             if state is None:
@@ -245,22 +263,23 @@ class ShmTransport(ByteTransport):
                 state = {"segment": seg.name, "size": seg.size, "offsets": offsets}
                 obj.transport_state[self.name] = state
         reply.send({"ok": True, **state})
+        asked = request.get("nbytes")  # what the consumer copies out (all, or its ranges)
+        return min(int(asked), obj.nbytes) if isinstance(asked, int) else obj.nbytes
 
     def garbage_collect(self, obj_id: bytes, meta: Any, tensors: list[torch.Tensor]) -> None:
         if self._pool is not None:
             self._pool.release(obj_id)
 
     def receive(
-        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
     ) -> None:
         who = link.who
         with channel(link.producer.agent_address) as ch:
-            header, _ = self.ask_producer(ch, obj_id, link)
-        name, size, offsets = _checked_reply(header, targets, who)
+            header, _ = self.ask_producer(ch, obj_id, link, nbytes=ranges.nbytes)
+        name, size, offsets = _checked_reply(header, ranges, who)
         try:
             seg = self._mapped.view(name, size)
         except (OSError, ValueError) as exc:  # no such segment, or smaller than the reply says
             link.check_alive("died (its segment is gone)")
             raise TransferError(f"corrupt reply from {who}: segment {name!r}: {exc}") from exc
-        for target, off in zip(targets, offsets, strict=True):
-            copy_sliced(target, seg[off : off + target.numel()], link)
+        _copy_runs(*ranges.runs(seg.data_ptr() + offsets), link)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from raydirect._channel import channel
+from raydirect._ranges import Ranges
 from raydirect.errors import TransferError
 from raydirect.transports.base import ByteTransport, PeerMetadata
 
@@ -39,34 +40,66 @@ def byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.numpy()).cast("B")  # type: ignore[arg-type]
 
 
+def requested(obj: StoredObject, request: dict[str, Any]) -> Ranges | None:
+    """The ranges a request asks for (None: the whole object), checked against ``obj``."""
+    rows = request.get("ranges")
+    if rows is None:
+        return None
+    try:
+        ranges = Ranges.of_rows([[int(v) for v in row] for row in rows], [])
+        ranges.check_within([b.numel() for b in obj.buffers])
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad ranges in the request: {exc}") from exc
+    return ranges
+
+
+def _sources(obj: StoredObject, ranges: Ranges | None) -> list[torch.Tensor]:
+    """The bytes to send, one flat tensor per row (strided rows gathered once)."""
+    if ranges is None:
+        return list(obj.buffers)
+    out = []
+    for row in range(len(ranges.index)):
+        source = obj.buffers[int(ranges.index[row])]
+        view = ranges.strided_view(source, row)
+        out.append(
+            view.reshape(-1) if int(ranges.count[row]) == 1 else view.contiguous().reshape(-1)
+        )
+    return out
+
+
 class TcpTransport(ByteTransport):
     name = "tcp"
     one_sided = True
     devices = ("cpu",)
+    ranged = True
 
-    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
-        if obj.nbytes <= INLINE_MAX_BYTES:
-            reply.send({"ok": True, "inline": True}, *[b.numpy().tobytes() for b in obj.buffers])
-            return
+    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> int:
+        sources = _sources(obj, requested(obj, request))
+        nbytes = sum(s.numel() for s in sources)
+        if nbytes <= INLINE_MAX_BYTES:
+            reply.send({"ok": True, "inline": True}, *[s.numpy().tobytes() for s in sources])
+            return nbytes
         reply.send({"ok": True, "inline": False, "chunk": CHUNK_BYTES})
-        for buf in obj.buffers:
-            for piece in chunks(byte_view(buf)):
+        for source in sources:
+            for piece in chunks(byte_view(source)):
                 reply.send_frame(piece)
+        return nbytes
 
     def receive(
-        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, targets: list[Any]
+        self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
     ) -> None:
         who = link.who
+        asked = {} if ranges.whole else {"ranges": ranges.rows()}
         with channel(link.producer.agent_address) as ch:
-            header, frames = self.ask_producer(ch, obj_id, link)
+            header, frames = self.ask_producer(ch, obj_id, link, **asked)
             if header.get("inline"):
-                _copy_inline(frames, targets, who)
+                _copy_inline(frames, ranges.dests, who)
                 return
             chunk = header.get("chunk")
             if not isinstance(chunk, int) or chunk <= 0:
                 raise TransferError(f"corrupt reply from {who}: chunk size {chunk!r}")
-            for target in targets:
-                for piece in chunks(byte_view(target), chunk):
+            for dest in ranges.dests:
+                for piece in chunks(byte_view(dest), chunk):
                     ch.recv_into(piece, link.deadline, who)
 
 

@@ -1,0 +1,104 @@
+"""Which bytes of an object's tensors a consumer reads, and where each run lands.
+
+A whole read is one row per tensor. A sharded read (weight sync's tensor
+parallelism) asks for slices: rows of a row-major tensor are one run of bytes,
+columns are ``count`` runs ``stride`` bytes apart. Rows are kept as numpy
+columns so that thousands of them cost array operations, not Python loops:
+cross-memory attach turns them into one vector of iovecs, tcp sends them as
+one list in the request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Ranges:
+    """Row ``i`` reads ``count[i]`` runs of ``length[i]`` bytes from tensor
+    ``index[i]`` of the object (its flat bytes), the first run at byte
+    ``offset[i]`` and each next ``stride[i]`` bytes on, into ``dests[i]`` (a flat
+    uint8 tensor of ``count[i] * length[i]`` bytes), back to back."""
+
+    index: np.ndarray
+    offset: np.ndarray
+    length: np.ndarray
+    count: np.ndarray
+    stride: np.ndarray
+    dests: list[torch.Tensor]
+    whole: bool = False  # one row per tensor of the object, in order, every byte
+
+    @classmethod
+    def of_whole(cls, targets: list[torch.Tensor]) -> Ranges:
+        """Every byte of every tensor, tensor ``i`` into ``targets[i]``."""
+        n = len(targets)
+        lengths = np.fromiter((t.numel() for t in targets), dtype=np.int64, count=n)
+        zeros = np.zeros(n, dtype=np.int64)
+        return cls(
+            np.arange(n, dtype=np.int64),
+            zeros,
+            lengths,
+            np.ones(n, np.int64),
+            zeros,
+            targets,
+            whole=True,
+        )
+
+    @classmethod
+    def of_rows(cls, rows: Sequence[Sequence[int]], dests: list[torch.Tensor]) -> Ranges:
+        """From ``(index, offset, length, count, stride)`` rows."""
+        table = np.array(rows, dtype=np.int64).reshape(-1, 5)
+        index, offset, length, count, stride = (table[:, i].copy() for i in range(5))
+        return cls(index, offset, length, count, stride, dests)
+
+    @property
+    def nbytes(self) -> int:
+        return int((self.length * self.count).sum())
+
+    def rows(self) -> list[list[int]]:
+        """The rows as plain lists (for a JSON request)."""
+        table = np.stack([self.index, self.offset, self.length, self.count, self.stride], 1)
+        return table.tolist()
+
+    def runs(self, bases: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every run as (source address, destination address, length), where
+        tensor ``i``'s bytes start at ``bases[i]``. Empty runs are left out."""
+        dest = np.fromiter(
+            (d.data_ptr() for d in self.dests), dtype=np.int64, count=len(self.dests)
+        )
+        src = bases[self.index] + self.offset
+        if bool((self.count == 1).all()):
+            keep = self.length > 0
+            return src[keep], dest[keep], self.length[keep]
+        reps = self.count
+        k = np.arange(int(reps.sum()), dtype=np.int64) - np.repeat(np.cumsum(reps) - reps, reps)
+        length = np.repeat(self.length, reps)
+        src = np.repeat(src, reps) + k * np.repeat(self.stride, reps)
+        dest = np.repeat(dest, reps) + k * length
+        keep = length > 0
+        return src[keep], dest[keep], length[keep]
+
+    def check_within(self, sizes: list[int]) -> None:
+        """Refuse rows that name no tensor or reach past one (``ValueError``)."""
+        n = len(sizes)
+        if len(self.index) and (self.index.min() < 0 or self.index.max() >= n):
+            raise ValueError("a range names a tensor the object does not have")
+        if (self.offset < 0).any() or (self.length < 0).any() or (self.count < 1).any():
+            raise ValueError("a range with a negative offset or length, or no runs")
+        if (self.stride < 0).any():
+            raise ValueError("a range with a negative stride")
+        last = self.offset + (self.count - 1) * self.stride + self.length
+        if (last > np.asarray(sizes, dtype=np.int64)[self.index]).any():
+            raise ValueError("a range reaches past the end of its tensor")
+
+    def strided_view(self, source: torch.Tensor, row: int) -> torch.Tensor:
+        """The bytes row ``row`` reads, as a (count, length) view of ``source``'s flat bytes."""
+        return source.as_strided(
+            (int(self.count[row]), int(self.length[row])),
+            (int(self.stride[row]), 1),
+            source.storage_offset() + int(self.offset[row]),
+        )
