@@ -450,3 +450,127 @@ def break_dispatch_once(self: Any) -> None:
         return real(frame)
 
     _server._peek_op = broken
+
+
+# ------------------------------------------------------------------ weight sync
+
+
+def make_weights(count: int, rows: int = 64, cols: int = 32) -> dict[str, torch.Tensor]:
+    """A model-like state: column-parallel, row-parallel and replicated tensors,
+    plus an integer buffer (never cast)."""
+    g = torch.Generator().manual_seed(11)
+    weights = {}
+    for i in range(count):
+        kind = ("colpar", "rowpar", "rep")[i % 3]
+        shape = (rows, cols) if kind != "rep" else (cols,)
+        weights[f"{kind}{i}"] = torch.randn(shape, generator=g)
+    weights["positions"] = torch.arange(rows)
+    return weights
+
+
+class TensorParallel:
+    """shard(name, full_shape) for rank ``rank`` of ``world``: column-parallel
+    weights split their rows, row-parallel ones their columns (strided), the rest
+    is replicated."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def __call__(self, name: str, full_shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        dim = 0 if name.startswith("colpar") else 1 if name.startswith("rowpar") else None
+        if dim is None:
+            return None
+        part = full_shape[dim] // self.world
+        return (dim, self.rank * part, (self.rank + 1) * part)
+
+    def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        spec = self(name, tuple(tensor.shape))
+        return tensor if spec is None else tensor.narrow(spec[0], spec[1], spec[2] - spec[1])
+
+
+@ray.remote(num_cpus=0)
+class Trainer:
+    def __init__(self, count: int, transport: str = "auto", **options: Any) -> None:
+        self.weights = make_weights(count)
+        self.publisher = rd.WeightPublisher(self.weights, tensor_transport=transport, **options)
+        self.handles: list[Any] = []
+
+    def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    def publish(self, version: int, timeout: float | None = None, keep: bool = False) -> Any:
+        handle = self.publisher.publish(version, timeout=timeout)
+        if keep:
+            self.handles.append(handle)
+        return handle
+
+    def try_publish(self, version: int, timeout: float | None = None) -> str:
+        try:
+            self.publisher.publish(version, timeout=timeout)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    def drop_handles(self) -> None:
+        self.handles.clear()
+
+    def step(self) -> None:
+        """An optimizer step: every float weight changes in place."""
+        for tensor in self.weights.values():
+            if tensor.is_floating_point():
+                tensor.add_(1.0)
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.weights.items()}
+
+    def stats(self) -> rd.LocalStats:
+        return rd.local_stats()
+
+
+@ray.remote(num_cpus=0)
+class Inference:
+    """Holds its own tensors (a shard of each, with ``rank``/``world``) and loads versions."""
+
+    def __init__(
+        self, count: int, rank: int | None = None, world: int = 1, dtype: Any = None
+    ) -> None:
+        full = make_weights(count)
+        self.shard = TensorParallel(rank, world) if rank is not None else None
+        self.weights = {}
+        for name, tensor in full.items():
+            part = self.shard.take(name, tensor) if self.shard else tensor
+            want = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+            self.weights[name] = torch.zeros(part.shape, dtype=want)
+        self.ids = {k: id(v) for k, v in self.weights.items()}
+        self.sub = rd.WeightSubscriber(self.weights, shard=self.shard)
+
+    def load(self, handle: Any, timeout: float | None = 60) -> int:
+        return self.sub.load(handle, timeout=timeout)
+
+    def try_load(self, handle: Any, timeout: float | None = 60) -> str:
+        try:
+            self.sub.load(handle, timeout=timeout)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    def load_nested(self, handles: list[Any]) -> int:
+        return self.sub.load(handles[0], timeout=60)
+
+    def version(self) -> int | None:
+        return self.sub.version
+
+    def state(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in self.weights.items()}
+
+    def same_tensors(self) -> bool:
+        return all(id(v) == self.ids[k] for k, v in self.weights.items())
+
+    def received(self) -> int:
+        return sum(rd.local_stats().bytes_received.values())
+
+    def forward(self, other: Any, handles: list[Any]) -> int:
+        """Pass a handle this actor only borrowed on to another actor."""
+        return ray.get(other.load_nested.remote(handles))

@@ -18,6 +18,8 @@ from raydirect._api import (
 from raydirect._broadcast import broadcast
 from raydirect._group_api import create_collective_group, destroy_collective_group
 from raydirect._store import LocalStats
+from raydirect._subscriber import WeightSubscriber
+from raydirect._weights import WeightPublisher, WeightsHandle
 from raydirect.errors import (
     FetchTimeoutError,
     GroupError,
@@ -26,6 +28,7 @@ from raydirect.errors import (
     TransferError,
     TransportUnavailableError,
     UnknownTransportError,
+    WeightSyncError,
 )
 from raydirect.transports.base import (
     CommunicatorMetadata,
@@ -50,6 +53,10 @@ __all__ = [
     "TransferError",
     "TransportUnavailableError",
     "UnknownTransportError",
+    "WeightPublisher",
+    "WeightSubscriber",
+    "WeightSyncError",
+    "WeightsHandle",
     "broadcast",
     "create_collective_group",
     "destroy_collective_group",

@@ -174,16 +174,16 @@ def _plugin(transport: str) -> Registration | None:
     return None if reg.cls.byte_transport else reg
 
 
-def export(value: Any, transport: str, label: str | None = None) -> Any:
+def export(value: Any, transport: str, label: str | None = None, inline: bool = True) -> Any:
     """Keep ``value``'s tensors in this process and return the Payload standing
     for it; a value without tensors is returned unchanged, a small one under
-    ``auto`` travels inline."""
+    ``auto`` travels inline (unless ``inline`` is False)."""
     plugin = _plugin(transport)
     label = label or _ray.current_task_label()
     parts = split(value, only=plugin.data_type if plugin is not None else None)
     if not parts.tensors:
         return value
-    if transport == AUTO and _inline(parts.metas):
+    if inline and transport == AUTO and _inline(parts.metas):
         return InlineValue.of(parts)
     _check_devices(transport, parts.tensors, label)
     _forget_earlier_sessions()

@@ -192,6 +192,25 @@ class Store:
         for obj_id in ids:
             self.free(obj_id)
 
+    def holds(self, tensor: Any) -> bool:
+        """Does a live object hold ``tensor``?"""
+        with self._lock:
+            return self._holders.get(id(tensor), 0) > 0
+
+    def wait_any_freed(self, tensors: list[Any], timeout: float | None) -> int:
+        """The index of one of ``tensors`` that no live object holds, waiting for
+        one up to ``timeout`` seconds (``TimeoutError`` past it)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._lock:
+            while True:
+                for i, tensor in enumerate(tensors):
+                    if self._holders.get(id(tensor), 0) <= 0:
+                        return i
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise TimeoutError(f"all {len(tensors)} tensors still held after {timeout}s")
+                self._lock.wait(remaining)
+
     def wait_tensor_freed(self, tensor: Any, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:

@@ -121,11 +121,17 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 def arena_layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
     """Offsets of each tensor in an arena, and the arena's size."""
+    return aligned_offsets([meta.nbytes for meta in metas])
+
+
+def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets of regions of ``sizes`` bytes laid end to end, each aligned to a
+    cache line (so every dtype view is aligned), and the total size."""
     offsets = []
     pos = 0
-    for meta in metas:
+    for size in sizes:
         offsets.append(pos)
-        pos += (meta.nbytes + _ALIGN - 1) // _ALIGN * _ALIGN
+        pos += (size + _ALIGN - 1) // _ALIGN * _ALIGN
     return offsets, pos
 
 

@@ -19,6 +19,11 @@ Hierarchy::
     ├── TransferError
     │       raised in a consumer when bytes failed to move for another reason
     │       (a transport error, a corrupt or truncated reply).
+    ├── WeightSyncError
+    │       raised by ``WeightPublisher.publish`` (every slot still held past the
+    │       timeout, a version that does not increase) and ``WeightSubscriber.load``
+    │       (a handle that does not fit the target, refused before a byte moves;
+    │       or a transfer that failed midway, the original error chained).
     └── FetchTimeoutError (ray.exceptions.GetTimeoutError, so TimeoutError)
             raised by ``rd.get`` when its ``timeout`` runs out.
 
@@ -41,6 +46,7 @@ __all__ = [
     "TransferError",
     "TransportUnavailableError",
     "UnknownTransportError",
+    "WeightSyncError",
 ]
 
 
@@ -91,6 +97,18 @@ class GroupError(RaydirectError):
 
 class TransferError(RaydirectError):
     """Moving an object's bytes failed for a reason other than the producer's loss."""
+
+
+class WeightSyncError(RaydirectError):
+    """Weight sync refused or failed; the message names the tensor and what differs.
+
+    Raised by ``WeightPublisher.publish`` when all ``depth`` slots stay held past
+    its ``timeout`` (drop old handles, or raise ``depth``) or the version does not
+    increase; by ``WeightSubscriber.load`` before a byte moves when the handle does
+    not fit the target (version not newer, names, shapes, dtypes, devices), and
+    when a transfer fails midway: then the target may be partly written and
+    ``sub.version`` stays where it was (the cause is chained).
+    """
 
 
 class FetchTimeoutError(RaydirectError, ray.exceptions.GetTimeoutError):

@@ -1,0 +1,189 @@
+"""Weight sync, the loading side: versions received into the target's own tensors.
+
+``WeightSubscriber.load`` checks a handle against the target before a byte
+moves (version, names, shapes, dtypes, devices), then reads straight into the
+target's tensors: no new tensors, parameters keep their identity, so an engine
+holding them sees the update. With ``shard``, each target tensor is a slice of
+the published one and only that slice's bytes are read (``Ranges``): rows of a
+row-major tensor are one run of bytes, columns are many runs, one per row.
+The plan (checks done, ranges built) is cached per layout, so a steady loop
+pays for it once.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from raydirect._consumer import fetch_ranges
+from raydirect._into import writable_bytes
+from raydirect._payload import PendingFetch, get_deferred
+from raydirect._ranges import Ranges
+from raydirect._tensors import torch_dtype
+from raydirect._weights import WeightsHandle, WeightsLayout, state_of
+from raydirect.errors import RaydirectError, WeightSyncError
+
+Shard = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
+_SHOWN = 5  # problems listed in one error
+
+
+@dataclass
+class _Plan:
+    ranges: Ranges
+    names: list[str]  # loaded, in the order of the ranges' rows
+
+
+class WeightSubscriber:
+    """Loads published versions into ``target`` (an ``nn.Module`` or a dict of
+    tensors) in place. ``shard(name, full_shape)`` returns ``None`` (the target
+    holds the whole tensor) or ``(dim, start, stop)`` (the slice it holds);
+    ``strict`` requires the names to match exactly (else the common ones load).
+    """
+
+    def __init__(self, target: Any, *, shard: Shard | None = None, strict: bool = True) -> None:
+        self._targets = state_of(target, "target")
+        if shard is not None and not callable(shard):
+            raise TypeError(f"shard must be a callable (name, full_shape) -> slice, got {shard!r}")
+        self._shard, self._strict = shard, bool(strict)
+        self._plans: dict[bytes, _Plan] = {}
+        self.version: int | None = None
+
+    def load(self, handle: WeightsHandle | ray.ObjectRef, *, timeout: float | None = None) -> int:
+        """Receive ``handle``'s version into the target; returns it (also ``sub.version``).
+        ``handle`` may also be a ref to a handle (what an actor's ``publish`` call returns).
+
+        Refused before a byte moves (``WeightSyncError`` naming the tensor) when the
+        version is not newer or the handle does not fit the target. A transfer
+        that fails midway raises ``WeightSyncError`` (the cause chained): the
+        target may then be partly written, and ``sub.version`` stays.
+        """
+        if isinstance(handle, ray.ObjectRef):  # a ref to a handle (a method returned it)
+            handle = ray.get(handle, timeout=timeout)
+        if not isinstance(handle, WeightsHandle):
+            raise TypeError(f"load takes a WeightsHandle from publish, got {type(handle).__name__}")
+        if self.version is not None and handle.version <= self.version:
+            raise WeightSyncError(
+                f"version {handle.version} is not newer than the loaded one ({self.version}); "
+                "nothing was written"
+            )
+        plan = self._plan(handle.layout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            [value] = get_deferred([handle.ref], timeout)
+            if not isinstance(value, PendingFetch):
+                raise WeightSyncError("the handle's object holds no raydirect tensors")
+            fetch_ranges(value.payload, plan.ranges, deadline)
+        except (RaydirectError, ray.exceptions.RayError, TimeoutError) as exc:
+            raise WeightSyncError(
+                f"loading version {handle.version} failed midway ({type(exc).__name__}: {exc}); "
+                f"the target may be partly written; sub.version stays {self.version}"
+            ) from exc
+        self.version = handle.version
+        return handle.version
+
+    def _plan(self, layout: WeightsLayout) -> _Plan:
+        plan = self._plans.get(layout.token)
+        if plan is None:
+            plan = self._make_plan(layout)
+            self._plans = {layout.token: plan}  # one layout at a time is what a loop uses
+        return plan
+
+    def _make_plan(self, layout: WeightsLayout) -> _Plan:
+        problems = self._name_problems(layout)
+        rows: list[tuple[int, int, int, int, int]] = []
+        dests: list[torch.Tensor] = []
+        names: list[str] = []
+        for i, name in enumerate(layout.names):
+            target = self._targets.get(name)
+            if target is None:
+                continue
+            try:
+                row = self._row(layout, i, target)
+            except WeightSyncError as exc:
+                problems.append(str(exc))
+                continue
+            rows.append(row)
+            dests.append(writable_bytes(target))
+            names.append(name)
+        if problems:
+            shown = "; ".join(problems[:_SHOWN])
+            more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+            raise WeightSyncError(
+                f"the handle does not fit the target: {shown}{more}; nothing was written"
+            )
+        return _Plan(Ranges.of_rows(rows, dests), names)
+
+    def _name_problems(self, layout: WeightsLayout) -> list[str]:
+        if not self._strict:
+            if not set(layout.names) & set(self._targets):
+                return ["no published name is in the target"]
+            return []
+        published = set(layout.names)
+        problems = [
+            f"{n!r} is published but not in the target"
+            for n in layout.names
+            if n not in self._targets
+        ]
+        problems += [
+            f"{n!r} is in the target but not published" for n in self._targets if n not in published
+        ]
+        return problems
+
+    def _row(
+        self, layout: WeightsLayout, i: int, target: torch.Tensor
+    ) -> tuple[int, int, int, int, int]:
+        name, full, dtype = layout.names[i], layout.shapes[i], layout.dtypes[i]
+        spec = self._shard(name, full) if self._shard is not None else None
+        shape = full if spec is None else _sliced_shape(name, full, spec)
+        got = str(target.dtype).removeprefix("torch.")
+        if got != dtype:
+            raise WeightSyncError(f"{name!r}: the target is {got}, the published tensor {dtype}")
+        if tuple(target.shape) != shape:
+            what = "its slice" if spec is not None else "the published tensor"
+            raise WeightSyncError(
+                f"{name!r}: the target has shape {tuple(target.shape)}, {what} {shape}"
+            )
+        if target.device.type != layout.device:
+            where = f"the published tensor on {layout.device}"
+            raise WeightSyncError(f"{name!r}: the target is on {target.device}, {where}")
+        if not target.is_contiguous():
+            raise WeightSyncError(f"{name!r}: the target is not contiguous")
+        element = torch.empty((), dtype=torch_dtype(dtype)).element_size()
+        return _slice_row(layout.index[i], layout.offsets[i], full, spec, element)
+
+
+def _sliced_shape(name: str, full: tuple[int, ...], spec: Any) -> tuple[int, ...]:
+    try:
+        dim, start, stop = (int(v) for v in spec)
+    except (TypeError, ValueError):
+        raise WeightSyncError(
+            f"{name!r}: shard returned {spec!r}; return None or (dim, start, stop)"
+        ) from None
+    if not (0 <= dim < len(full) and 0 <= start < stop <= full[dim]):
+        raise WeightSyncError(
+            f"{name!r}: shard slice {(dim, start, stop)} does not fit shape {full}"
+        )
+    return (*full[:dim], stop - start, *full[dim + 1 :])
+
+
+def _slice_row(
+    index: int, base: int, full: tuple[int, ...], spec: Any, element: int
+) -> tuple[int, int, int, int, int]:
+    """The (index, offset, length, count, stride) row that reads a slice of a
+    row-major tensor starting at byte ``base``: ``count`` runs, ``stride`` apart."""
+    total = math.prod(full) * element
+    if spec is None:
+        return (index, base, total, 1, 0)
+    dim, start, stop = (int(v) for v in spec)
+    inner = math.prod(full[dim + 1 :]) * element
+    outer = math.prod(full[:dim])
+    run, stride = (stop - start) * inner, full[dim] * inner
+    if outer == 1 or run == stride:  # one contiguous run
+        return (index, base + start * inner, run * outer, 1, 0)
+    return (index, base + start * inner, run, outer, stride)

@@ -1,0 +1,227 @@
+"""Weight sync, the publishing side: versioned snapshots of a model's weights.
+
+``WeightPublisher.publish`` copies the current weights into one of ``depth``
+slots, a single flat buffer laid out once per model, and exports that buffer as
+one raydirect object. However many tensors the model has, a version is one
+object: one lease, one metadata record, one read (or one ranged read per
+shard) on the consumer's side. The handle carries the layout (names, shapes,
+dtypes, byte offsets) and the object's ref.
+
+A slot is reused only when no object holds its buffer any more, that is when
+no handle of that version (and no load from it) is alive anywhere: Ray's
+reference counting decides, with no call from the consumers. ``depth=0`` makes
+no copy: the handle refers to the live tensors (write them in place only after
+``rd.wait_tensor_freed``).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+import torch
+
+from raydirect import _ray
+from raydirect._producer import export
+from raydirect._store import store
+from raydirect._tensors import aligned_offsets, torch_dtype
+from raydirect.errors import WeightSyncError
+from raydirect.transports.registry import AUTO, check_name
+
+
+def state_of(source: Any, what: str) -> dict[str, torch.Tensor]:
+    """The named tensors of an ``nn.Module`` (its ``state_dict()``, sharing the
+    parameters' memory) or of a ``dict[str, Tensor]``."""
+    if isinstance(source, torch.nn.Module):
+        return dict(source.state_dict())
+    if isinstance(source, Mapping):
+        state = dict(source)
+        for name, tensor in state.items():
+            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+                raise TypeError(
+                    f"{what} maps {name!r} to a {type(tensor).__name__}; give a dict of "
+                    "str -> torch.Tensor, or an nn.Module"
+                )
+        return {name: tensor.detach() for name, tensor in state.items()}
+    raise TypeError(
+        f"{what} must be an nn.Module or a dict of tensors, got {type(source).__name__}"
+    )
+
+
+@dataclass(frozen=True)
+class WeightsLayout:
+    """Where each named tensor of a published version lies: tensor ``index[i]``
+    of the published object, from byte ``offsets[i]``. The same for every
+    version of one publisher until its weights change shape."""
+
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+    index: tuple[int, ...]
+    offsets: tuple[int, ...]
+    device: str
+    token: bytes  # identifies the layout: subscribers cache their plans by it
+
+    @property
+    def nbytes(self) -> int:
+        return sum(_nbytes(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True))
+
+
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n * torch.empty((), dtype=torch_dtype(dtype)).element_size()
+
+
+@dataclass(frozen=True)
+class WeightsHandle:
+    """One published version: small, picklable, and travels wherever a ref goes
+    (returned from a method, nested in lists, borrowed). Holding it keeps the
+    version's slot from reuse."""
+
+    version: int
+    layout: WeightsLayout
+    ref: ray.ObjectRef
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return self.layout.names
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole version (a sharded load moves fewer)."""
+        return self.layout.nbytes
+
+
+@dataclass
+class _Slot:
+    buffer: torch.Tensor  # flat uint8, exported as the version's one tensor
+    views: list[torch.Tensor]  # one per name, typed and shaped, into ``buffer``
+
+
+class WeightPublisher:
+    """Publishes versions of ``source``'s weights (see the module docstring).
+
+    ``dtype`` casts floating-point tensors at publish (integer and bool buffers
+    keep theirs); ``depth`` is how many versions may be alive at once;
+    ``tensor_transport`` is how consumers read them (never inline).
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        dtype: torch.dtype | None = None,
+        depth: int = 2,
+        tensor_transport: str = AUTO,
+    ) -> None:
+        state_of(source, "source")
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype or None, got {dtype!r}")
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            raise ValueError(f"depth must be an int >= 0 (0: no copy), got {depth!r}")
+        if depth == 0 and dtype is not None:
+            raise ValueError("dtype= casts into a slot: it needs depth >= 1")
+        check_name(tensor_transport)
+        self._source, self._dtype, self._depth = source, dtype, depth
+        self._transport = tensor_transport
+        self._layout: WeightsLayout | None = None
+        self._slots: list[_Slot] = []
+        self._last: int | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> int | None:
+        """The last version published."""
+        return self._last
+
+    def publish(self, version: int, *, timeout: float | None = None) -> WeightsHandle:
+        """Snapshot the weights as ``version`` (greater than the last one) and
+        return its handle. Waits up to ``timeout`` for a free slot, then raises
+        ``WeightSyncError``. Once it returns, the source may be written in place."""
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise TypeError(f"version must be an int, got {version!r}")
+        with self._lock:
+            if self._last is not None and version <= self._last:
+                raise WeightSyncError(
+                    f"version {version} is not newer than the last one published ({self._last})"
+                )
+            state = state_of(self._source, "source")
+            layout = self._layout_of(state)
+            if self._depth == 0:
+                value = [state[name] for name in layout.names]
+            else:
+                slot = self._free_slot(layout, timeout)
+                torch._foreach_copy_(slot.views, [state[name] for name in layout.names])
+                value = [slot.buffer]
+            label = f"{_ray.current_task_label()} publish v{version}"
+            ref = ray.put(export(value, self._transport, label=label, inline=False))
+            self._last = version
+        return WeightsHandle(version, layout, ref)
+
+    def _layout_of(self, state: dict[str, torch.Tensor]) -> WeightsLayout:
+        names = tuple(state)
+        shapes = tuple(tuple(t.shape) for t in state.values())
+        dtypes = tuple(self._published_dtype(t) for t in state.values())
+        old = self._layout
+        if old is not None and (old.names, old.shapes, old.dtypes) == (names, shapes, dtypes):
+            return old
+        devices = {t.device.type for t in state.values()}
+        if len(devices) > 1:
+            raise WeightSyncError(f"the weights are on several device types {sorted(devices)}")
+        if self._depth == 0:
+            index, offsets = tuple(range(len(names))), (0,) * len(names)
+        else:
+            sizes = [_nbytes(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+            offsets = tuple(aligned_offsets(sizes)[0])
+            index = (0,) * len(names)
+        self._slots = []  # a new layout: slots of the old one go once their handles do
+        device = devices.pop() if devices else "cpu"
+        self._layout = WeightsLayout(
+            names, shapes, dtypes, index, offsets, device, secrets.token_bytes(16)
+        )
+        return self._layout
+
+    def _published_dtype(self, tensor: torch.Tensor) -> str:
+        dtype = tensor.dtype
+        if self._dtype is not None and dtype.is_floating_point:
+            dtype = self._dtype
+        return str(dtype).removeprefix("torch.")
+
+    def _free_slot(self, layout: WeightsLayout, timeout: float | None) -> _Slot:
+        for slot in self._slots:
+            if not store.holds(slot.buffer):
+                return slot
+        if len(self._slots) < self._depth:
+            self._slots.append(_new_slot(layout))
+            return self._slots[-1]
+        started = time.monotonic()
+        try:
+            return self._slots[store.wait_any_freed([s.buffer for s in self._slots], timeout)]
+        except TimeoutError:
+            raise WeightSyncError(
+                f"all {self._depth} slots are still held after {time.monotonic() - started:.1f}s: "
+                "handles of earlier versions are alive somewhere (a consumer, a pending task, "
+                "a variable). Drop them once loaded, raise depth, or pass a larger timeout"
+            ) from None
+
+
+def _new_slot(layout: WeightsLayout) -> _Slot:
+    ends = [
+        off + _nbytes(s, d)
+        for off, s, d in zip(layout.offsets, layout.shapes, layout.dtypes, strict=True)
+    ]
+    buffer = torch.empty(max(ends, default=0), dtype=torch.uint8, device=layout.device)
+    views = [
+        buffer[off:end].view(torch_dtype(dtype)).view(shape)
+        for off, end, dtype, shape in zip(
+            layout.offsets, ends, layout.dtypes, layout.shapes, strict=True
+        )
+    ]
+    return _Slot(buffer, views)
