@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from raydirect._payload import Payload, join
-from raydirect._tensors import TensorMeta
+from raydirect._tensors import DTYPE_NAMES, TensorMeta
 
 log = logging.getLogger("raydirect")
 _HINTS_KEPT = 4096
@@ -150,26 +150,40 @@ def _walk(shape: Any, into: Any, path: str, found: dict[int, Any]) -> None:
 
 
 def _check(target: Any, meta: TensorMeta, index: int) -> None:
-    where = f"into= target for tensor {index} of the object"
-    if isinstance(target, np.ndarray):
+    if type(target) is torch.Tensor and target.is_contiguous():  # the common case, fast
+        view = target
+    elif isinstance(target, np.ndarray):
         if not target.flags.c_contiguous or not target.flags.writeable:
-            raise ValueError(f"{where} must be a writeable C-contiguous numpy array")
+            raise ValueError(f"{_where(index)} must be a writeable C-contiguous numpy array")
         view = torch.from_numpy(target)
     elif isinstance(target, torch.Tensor):
         view = target
         if not target.is_contiguous():
-            raise ValueError(f"{where} must be contiguous; pass target.contiguous() and copy back")
+            raise ValueError(
+                f"{_where(index)} must be contiguous; pass target.contiguous() and copy back"
+            )
     else:
-        raise TypeError(f"{where} must be a tensor or numpy array, got {type(target).__name__}")
-    expected = f"shape {tuple(meta.shape)}, dtype {meta.dtype}, device {meta.device}"
-    dtype = str(view.dtype).removeprefix("torch.")
-    if tuple(view.shape) != tuple(meta.shape) or dtype != meta.dtype:
+        raise TypeError(
+            f"{_where(index)} must be a tensor or numpy array, got {type(target).__name__}"
+        )
+    dtype = DTYPE_NAMES[view.dtype]
+    if view.shape != meta.shape or dtype != meta.dtype:
         raise ValueError(
-            f"{where} has shape {tuple(view.shape)} and dtype {dtype}; the tensor that "
-            f"arrives has {expected}"
+            f"{_where(index)} has shape {tuple(view.shape)} and dtype {dtype}; the tensor that "
+            f"arrives has {_expected(meta)}"
         )
     if view.device.type != meta.device:
-        raise ValueError(f"{where} is on {view.device}; the tensor that arrives has {expected}")
+        raise ValueError(
+            f"{_where(index)} is on {view.device}; the tensor that arrives has {_expected(meta)}"
+        )
+
+
+def _where(index: int) -> str:
+    return f"into= target for tensor {index} of the object"
+
+
+def _expected(meta: TensorMeta) -> str:
+    return f"shape {tuple(meta.shape)}, dtype {meta.dtype}, device {meta.device}"
 
 
 def _memory_key(target: Any) -> int:

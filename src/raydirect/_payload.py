@@ -81,7 +81,7 @@ class Payload:
                 self.capability,
                 self.skeleton,
                 self.handles,
-                self.metas,
+                _pack_metas(self.metas),
                 self.transport,
                 self.producer,
                 self.transport_meta,
@@ -125,8 +125,19 @@ def get_deferred(refs: list[ray.ObjectRef], timeout: float | None = None) -> lis
         deferred.active = False
 
 
+def _pack_metas(metas: list[TensorMeta]) -> bytes:
+    # Plain tuples through the C pickler: an object of thousands of tensors would
+    # otherwise cost Ray's serializer a Python call per TensorMeta.
+    return pickle.dumps([tuple(m) for m in metas], protocol=5)
+
+
+def _unpack_metas(blob: bytes) -> list[TensorMeta]:
+    return [TensorMeta._make(row) for row in pickle.loads(blob)]
+
+
 def _rebuild(*state: Any) -> Any:
     payload = Payload(*state)
+    payload.metas = _unpack_metas(payload.metas)  # type: ignore[arg-type]
     if deferred.active:
         return PendingFetch(payload)
     if _fetcher is None:  # only if raydirect._payload was loaded without its package
@@ -197,6 +208,8 @@ class _Splitter(cloudpickle.CloudPickler):
         self._seen: dict[int, tuple[int, int]] = {}
 
     def persistent_id(self, obj: Any) -> Any:
+        if type(obj) in _PLAIN:  # most of what a value holds: answered at once
+            return None
         found = self._seen.get(id(obj))
         if found is not None:
             return found
@@ -214,6 +227,10 @@ class _Splitter(cloudpickle.CloudPickler):
             self.tensors.append(tensor)
         self._seen[id(obj)] = pid
         return pid
+
+
+# Types that are never tensors nor Ray handles (containers are walked by pickle anyway).
+_PLAIN = frozenset({str, int, float, bool, bytes, type(None), tuple, list, dict, set})
 
 
 @dataclass(slots=True)

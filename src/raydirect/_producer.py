@@ -73,16 +73,17 @@ def _inline(metas: list[Any]) -> bool:
     return all(m.device == "cpu" for m in metas) and sum(m.nbytes for m in metas) <= limit
 
 
-def _check_devices(transport: str, tensors: list[torch.Tensor], label: str) -> None:
-    devices = _AUTO_DEVICES if transport == AUTO else registration(transport).devices
-    for t in tensors:
-        if t.device.type not in devices:
+def _check_devices(transport: str, metas: list[Any], label: str) -> None:
+    devices = {m.device for m in metas}
+    allowed = _AUTO_DEVICES if transport == AUTO else registration(transport).devices
+    for device in sorted(devices):
+        if device not in allowed:
             raise ValueError(
-                f"{label} returned a tensor on {t.device}, but tensor_transport="
-                f"{transport!r} moves only {'/'.join(devices)} memory. Move the tensor "
-                f"(tensor.cpu()) or pick a transport for {t.device.type} memory."
+                f"{label} returned a tensor on {device}, but tensor_transport="
+                f"{transport!r} moves only {'/'.join(allowed)} memory. Move the tensor "
+                f"(tensor.cpu()) or pick a transport for {device} memory."
             )
-    if len({t.device.type for t in tensors}) > 1:
+    if len(devices) > 1:
         raise ValueError(
             f"{label} returned tensors on several device types; one object's "
             "tensors must share one (return them as separate objects)"
@@ -185,7 +186,7 @@ def export(value: Any, transport: str, label: str | None = None, inline: bool = 
         return value
     if inline and transport == AUTO and _inline(parts.metas):
         return InlineValue.of(parts)
-    _check_devices(transport, parts.tensors, label)
+    _check_devices(transport, parts.metas, label)
     _forget_earlier_sessions()
     agent = _runtime.agent()
     obj = _stored(parts, transport, label)

@@ -18,8 +18,7 @@ import mmap
 import os
 import sys
 import threading
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -37,9 +36,10 @@ KIND_NUMPY = 1
 KIND_JAX = 2
 
 
-@dataclass(frozen=True, slots=True)
-class TensorMeta:
-    """What a consumer needs to rebuild one tensor from its bytes."""
+class TensorMeta(NamedTuple):
+    """What a consumer needs to rebuild one tensor from its bytes. A named tuple:
+    an object of thousands of tensors carries thousands of these, and tuples
+    are what pickle makes and reads fastest."""
 
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without the "torch." prefix
@@ -51,8 +51,15 @@ class TensorMeta:
     np_dtype: str | None = None  # numpy arrays: their own dtype string
 
 
+DTYPE_NAMES: dict[torch.dtype, str] = {
+    d: str(d).removeprefix("torch.") for d in vars(torch).values() if isinstance(d, torch.dtype)
+}
+
+_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
+
+
 def torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
+    dtype = _DTYPES.get(name) or getattr(torch, name, None)
     if not isinstance(dtype, torch.dtype):
         raise ValueError(f"unknown torch dtype {name!r}")
     return dtype
@@ -91,11 +98,20 @@ def as_tensor(obj: Any) -> torch.Tensor | None:
 
 
 def describe(obj: Any, tensor: torch.Tensor) -> TensorMeta:
+    if type(obj) is torch.Tensor:  # the common case, without the checks below
+        return TensorMeta(
+            tuple(tensor.shape),
+            DTYPE_NAMES[tensor.dtype],
+            tensor.numel() * tensor.element_size(),
+            tensor.device.type,
+            KIND_TORCH,
+            obj.requires_grad,
+        )
     is_numpy = isinstance(obj, np.ndarray)
     kind = KIND_NUMPY if is_numpy else KIND_TORCH if isinstance(obj, torch.Tensor) else KIND_JAX
     return TensorMeta(
         shape=tuple(tensor.shape),
-        dtype=str(tensor.dtype).removeprefix("torch."),
+        dtype=DTYPE_NAMES[tensor.dtype],
         nbytes=tensor.numel() * tensor.element_size(),
         device=tensor.device.type,
         kind=kind,
@@ -224,16 +240,30 @@ def allocate_bytes(nbytes: int, device: str = "cpu") -> torch.Tensor:
 
 
 def tensors_from_arena(arena: torch.Tensor, metas: list[TensorMeta], offsets: list[int]) -> list:
-    """Views of ``arena`` shaped as ``metas`` describe: torch tensors or numpy arrays."""
+    """Views of ``arena`` shaped as ``metas`` describe: torch tensors or numpy arrays.
+    One typed view of the arena per dtype, then one ``as_strided`` per tensor:
+    an object of thousands of tensors pays one call each, not three."""
+    typed: dict[torch.dtype, torch.Tensor] = {}
     out: list[Any] = []
     for meta, off in zip(metas, offsets, strict=True):
         dtype = torch_dtype(meta.dtype)
         if meta.nbytes == 0:
-            t = torch.empty(meta.shape, dtype=dtype)
-        else:
-            t = arena[off : off + meta.nbytes].view(dtype).view(meta.shape)
-        out.append(finish(t, meta))
+            out.append(finish(torch.empty(meta.shape, dtype=dtype), meta))
+            continue
+        view = typed.get(dtype)
+        if view is None:  # slots are 64-byte aligned, so every offset is a whole element
+            view = typed[dtype] = arena.view(dtype)
+        t = view.as_strided(meta.shape, _contiguous_strides(meta.shape), off // view.element_size())
+        plain = meta.kind == KIND_TORCH and not (meta.requires_grad or meta.is_parameter)
+        out.append(t if plain else finish(t, meta))
     return out
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        strides[i] = strides[i + 1] * shape[i + 1]
+    return strides
 
 
 def finish(t: torch.Tensor, meta: TensorMeta) -> Any:

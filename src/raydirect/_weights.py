@@ -29,7 +29,7 @@ import torch
 from raydirect import _ray
 from raydirect._producer import export
 from raydirect._store import store
-from raydirect._tensors import aligned_offsets, torch_dtype
+from raydirect._tensors import DTYPE_NAMES, aligned_offsets, torch_dtype
 from raydirect.errors import WeightSyncError
 from raydirect.transports.registry import AUTO, check_name
 
@@ -47,7 +47,7 @@ def state_of(source: Any, what: str) -> dict[str, torch.Tensor]:
                     f"{what} maps {name!r} to a {type(tensor).__name__}; give a dict of "
                     "str -> torch.Tensor, or an nn.Module"
                 )
-        return {name: tensor.detach() for name, tensor in state.items()}
+        return state
     raise TypeError(
         f"{what} must be an nn.Module or a dict of tensors, got {type(source).__name__}"
     )
@@ -158,7 +158,8 @@ class WeightPublisher:
                 value = [state[name] for name in layout.names]
             else:
                 slot = self._free_slot(layout, timeout)
-                torch._foreach_copy_(slot.views, [state[name] for name in layout.names])
+                with torch.no_grad():  # one call for every tensor; casts where dtype= says
+                    torch._foreach_copy_(slot.views, [state[name] for name in layout.names])
                 value = [slot.buffer]
             label = f"{_ray.current_task_label()} publish v{version}"
             ref = ray.put(export(value, self._transport, label=label, inline=False))
@@ -192,7 +193,7 @@ class WeightPublisher:
         dtype = tensor.dtype
         if self._dtype is not None and dtype.is_floating_point:
             dtype = self._dtype
-        return str(dtype).removeprefix("torch.")
+        return DTYPE_NAMES[dtype]
 
     def _free_slot(self, layout: WeightsLayout, timeout: float | None) -> _Slot:
         for slot in self._slots:
