@@ -9,7 +9,7 @@ import pytest
 import raydirect as rd
 import raydirect.testing
 
-from plugin_transports import NumpyShmTransport, PickleShmTransport
+from plugin_transports import GlooPlugin, NumpyShmTransport, PickleShmTransport
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -50,6 +50,18 @@ class TestPicklePlugin(raydirect.testing.TransportConformance):
     @classmethod
     def register(cls):
         rd.register_tensor_transport(cls.transport, ["cpu"], PickleShmTransport, replace=True)
+
+
+class TestTwoSidedGlooPlugin(raydirect.testing.TransportConformance):
+    """raydirect's gloo registered again as a plug-in, the proof Ray's own change used."""
+
+    transport = "gloo_plugin"
+    group_backend = "gloo"
+    manager_cls = GlooPlugin
+
+    @classmethod
+    def register(cls):
+        rd.register_tensor_transport(cls.transport, ["cpu"], GlooPlugin, replace=True)
 
 
 class TestNumpyPlugin(raydirect.testing.TransportConformance):

@@ -17,6 +17,7 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
         ("quickstart.py", "driver sees {'weight': (1024, 1024), 'bias': (1024,)}"),
         ("custom_transport.py", "files after the ref is gone: 0"),
         ("weight_sync.py", "all 4 rollouts match the trainer at every step: True"),
+        ("two_sided_transport.py", "sends in the producer: 2"),
     ],
 )
 def test_example_runs(script, expected):

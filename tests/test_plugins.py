@@ -206,3 +206,54 @@ def test_a_failed_background_preparation_reaches_the_consumer(actors_first):
     assert "preparing it for failing_prepare failed" in error
     assert "no space left for the staging copy" in error
     assert ray.get(p.pid.remote()) > 0
+
+
+# ---------------------------------------------------------------- two-sided
+
+
+class _RecvFails(plugin_transports.GlooPlugin):
+    def recv_multiple_tensors(self, obj_id, meta, comm, target_buffers=None):
+        raise RuntimeError("the receive side is on fire")
+
+
+@pytest.fixture()
+def gloo_pair(actors_first):
+    p, c = actors_first
+    name = rd.create_collective_group([p, c], backend="gloo")
+    yield p, c
+    rd.destroy_collective_group(name)
+
+
+def _sent(actor, transport: str) -> int:
+    return ray.get(actor.stats.remote()).objects_sent.get(transport, 0)
+
+
+def test_a_two_sided_plugin_registered_after_the_actors_exist(gloo_pair):
+    """The send runs in the producer, once per read; the driver falls back; GC
+    reaches garbage_collect."""
+    p, c = gloo_pair
+    rd.register_tensor_transport("gloo_plugin", ["cpu"], plugin_transports.GlooPlugin, replace=True)
+    [ref] = ray.get(p.put.remote("dtypes", "gloo_plugin"))
+    for reads in (1, 2):
+        assert ray.get(c.check.remote("dtypes", ref)) is None
+        assert received(c, "gloo_plugin") == reads and _sent(p, "gloo_plugin") == reads
+    assert check_value("dtypes", rd.get(ref, timeout=60)) is None  # over tcp: not in the group
+    assert _sent(p, "gloo_plugin") == 2
+    gc_files = {f for f in plugin_files() if f.startswith("rdplug-gc-")}
+    del ref
+    wait_for(
+        lambda: {f for f in plugin_files() if f.startswith("rdplug-gc-")} - gc_files,
+        what="garbage_collect in the producer",
+    )
+
+
+def test_a_two_sided_receive_that_fails_names_the_transport(gloo_pair):
+    p, c = gloo_pair
+    rd.register_tensor_transport("gloo_recv_fails", ["cpu"], _RecvFails, replace=True)
+    [ref] = ray.get(p.put.remote("dtypes", "gloo_recv_fails"))
+    error = ray.get(c.try_get.remote([ref], 60))
+    assert error.startswith("TransferError") and "gloo_recv_fails" in error, error
+    assert "on fire" in error
+    # Both actors still serve and read (another object, the same pair).
+    [ok] = ray.get(p.put.remote("views", "tcp"))
+    assert ray.get(c.check.remote("views", ok)) is None

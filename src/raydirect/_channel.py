@@ -130,10 +130,12 @@ class Channel:
             events = dict(self.poller.poll(timeout))
             if self.socket in events:
                 return
-            self._read_monitor()
-            self._check_peer(who)
+            self.check_peer(who)
 
-    def _check_peer(self, who: str) -> None:
+    def check_peer(self, who: str) -> None:
+        """``ProducerLostError`` (or ``TransferError`` for a broken connection to a
+        live producer) if the peer is gone; nothing while it is reachable."""
+        self._read_monitor()
         if self.producer_alive is not None and not self.producer_alive():
             raise ProducerLostError.of(who, "is no longer running")
         if self.lost:

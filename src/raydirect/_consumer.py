@@ -28,10 +28,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import numpy as np
-import torch
-
-from raydirect import _channel, _payload, _process, _ray, _wire
+from raydirect import _channel, _payload, _plugin_transfer, _process, _ray, _wire
 from raydirect._into import copy_into, match, take_hint, writable_bytes
 from raydirect._payload import PREPARING, Payload, ProducerInfo, join
 from raydirect._ranges import Ranges
@@ -40,7 +37,6 @@ from raydirect._tensors import (
     allocate_bytes,
     arena_layout,
     as_tensor,
-    finish,
     flat_bytes,
     tensors_from_arena,
 )
@@ -51,7 +47,7 @@ from raydirect.errors import (
     TransportUnavailableError,
 )
 from raydirect.transports import nixl
-from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
+from raydirect.transports.base import ByteTransport, PeerMetadata, metadata_classes
 from raydirect.transports.registry import AUTO, check_name, transport_class, transport_instance
 from raydirect.transports.shm import sweep_dead_segments
 
@@ -347,23 +343,11 @@ def _transport_meta(payload: Payload, name: str, deadline: float | None) -> Any:
     }
     answer, frames = _channel.ask(payload.producer.agent_address, header, deadline, who)
     try:
-        meta = _wire.decode_value(answer["meta"], [f.bytes for f in frames], _metadata_classes())
+        meta = _wire.decode_value(answer["meta"], [f.bytes for f in frames], metadata_classes())
     except (ValueError, TypeError, KeyError, IndexError) as exc:
         raise TransferError(f"corrupt metadata from {who}: {exc}") from exc
     payload.transport_meta[name] = meta  # once per rebuilt Payload
     return meta
-
-
-def _metadata_classes() -> dict[str, type]:
-    """The metadata classes a reply may name: those loaded in this process
-    (a plug-in's arrive with its registration)."""
-    found: dict[str, type] = {}
-    todo: list[type] = [TensorTransportMetadata]
-    while todo:
-        cls = todo.pop()
-        found[_wire.class_key(cls)] = cls
-        todo.extend(cls.__subclasses__())
-    return found
 
 
 def _prepared_on_request(name: str) -> bool:
@@ -372,59 +356,8 @@ def _prepared_on_request(name: str) -> bool:
 
 
 def _receive_plugin(name: str, payload: Payload, deadline: float | None) -> list[Any]:
-    """A plug-in transport receives on its own terms (Ray RDT's contract); the
-    orchestration bounds the wait, aborts on failure, and checks what arrived."""
-    transport = transport_instance(name)
-    who = payload.producer.describe()
-    obj_id = payload.obj_id.hex()
     meta = _transport_meta(payload, name, deadline)
-    comm = transport.get_communicator_metadata(None, _ray.current_actor_handle(), name)
-    try:
-        request = transport.fetch_multiple_tensors(obj_id, meta, comm, None)
-        remaining = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
-        tensors = list(transport.wait_fetch_complete(request, remaining))
-    except (ProducerLostError, TimeoutError):
-        raise
-    except Exception as exc:
-        if transport.can_abort_transport():
-            _abort_both_sides(transport, name, payload, comm)
-        raise TransferError(
-            f"transport {name!r} failed to receive the object of {who}: {type(exc).__name__}: {exc}"
-        ) from exc
-    problem = _mismatch(tensors, payload.metas)
-    if problem:
-        raise TransferError(f"transport {name!r} returned {problem} for the object of {who}")
-    store.count_received(name, payload.nbytes)
-    return [
-        finish(t, m) if isinstance(t, torch.Tensor) else t
-        for t, m in zip(tensors, payload.metas, strict=True)
-    ]
-
-
-def _abort_both_sides(transport: Any, name: str, payload: Payload, comm: Any) -> None:
-    obj_id = payload.obj_id.hex()
-    try:
-        transport.abort_transport(obj_id, comm)
-        _channel.notify(
-            payload.producer.agent_address,
-            {"op": _wire.ABORT, "obj": obj_id, "cap": payload.capability.hex(), "transport": name},
-        )
-    except Exception:  # aborting is best effort; the failure is reported either way
-        log.debug("raydirect: aborting %s failed", name, exc_info=True)
-
-
-def _mismatch(received: list[Any], metas: list[Any]) -> str | None:
-    if len(received) != len(metas):
-        return f"{len(received)} tensors where {len(metas)} were due"
-    for i, (got, meta) in enumerate(zip(received, metas, strict=True)):
-        shape = tuple(getattr(got, "shape", ()))
-        if isinstance(got, np.ndarray):
-            dtype_ok = meta.np_dtype is None or got.dtype.str == meta.np_dtype
-        else:
-            dtype_ok = str(getattr(got, "dtype", "")).removeprefix("torch.") == meta.dtype
-        if shape != tuple(meta.shape) or not dtype_ok:
-            return f"tensor {i} of shape {shape} and dtype {getattr(got, 'dtype', '?')}"
-    return None
+    return _plugin_transfer.receive(name, transport_instance(name), payload, meta, deadline)
 
 
 def fetch_value(

@@ -68,6 +68,8 @@ class Payload:
     producer: ProducerInfo
     transport_meta: dict[str, Any] = field(default_factory=dict)
     lease: Any = None  # ObjectRef owned by the producer; its lifetime is the object's
+    # The producer's actor handle, for two-sided plug-ins' get_communicator_metadata.
+    actor: Any = None
 
     @property
     def nbytes(self) -> int:
@@ -86,6 +88,7 @@ class Payload:
                 self.producer,
                 self.transport_meta,
                 self.lease,
+                self.actor,
             ),
         )
 

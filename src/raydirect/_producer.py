@@ -11,6 +11,7 @@ releases it here (``garbage_collect``).
 
 from __future__ import annotations
 
+import base64
 import functools
 import logging
 import os
@@ -31,7 +32,7 @@ from raydirect._store import StoredObject, store
 from raydirect._tensors import flat_bytes
 from raydirect.errors import TransferError
 from raydirect.transports import nixl
-from raydirect.transports.base import ByteTransport, CommunicatorMetadata
+from raydirect.transports.base import ByteTransport, CommunicatorMetadata, metadata_classes
 from raydirect.transports.registry import (
     AUTO,
     Registration,
@@ -215,6 +216,7 @@ def export(value: Any, transport: str, label: str | None = None, inline: bool = 
         producer=producer,
         transport_meta=transport_meta,
         lease=lease,
+        actor=None if plugin is None or plugin.cls.is_one_sided() else _ray.current_actor_handle(),
     )
 
 
@@ -311,7 +313,46 @@ def _serve_sent(obj: StoredObject, request: dict[str, Any], reply: Reply) -> Non
 def _serve_abort(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
     transport = transport_instance(str(request.get("transport", "")))
     if transport.can_abort_transport():
-        transport.abort_transport(obj.obj_id.hex(), CommunicatorMetadata())
+        comm = _decoded_comm(request) if "comm" in request else CommunicatorMetadata()
+        transport.abort_transport(obj.obj_id.hex(), comm)
+
+
+def _decoded_comm(request: dict[str, Any]) -> Any:
+    frames = [base64.b64decode(f) for f in request.get("comm_frames", [])]
+    return _wire.decode_value(request["comm"], frames, metadata_classes())
+
+
+def _serve_send(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
+    """A two-sided plug-in: accept, then send while the consumer receives, then
+    say how the send ended (the consumer waits for both answers)."""
+    name = str(request.get("transport", ""))
+    transport = transport_instance(name)
+    if transport.byte_transport or transport.is_one_sided() or obj.transport != name:
+        raise ValueError(f"the object was not made for two-sided transport {name!r}")
+    comm = _decoded_comm(request)
+    meta = _wait_prepared(obj, name, request.get("timeout"))
+    reply.send({"ok": True})
+    obj.check_unmodified()
+    try:
+        transport.send_multiple_tensors(obj.originals, meta, comm)
+    except Exception as exc:
+        log.exception("raydirect: %s send of %s failed", name, obj.label)
+        if transport.can_abort_transport():
+            transport.abort_transport(obj.obj_id.hex(), comm)
+        error = f"transport {name!r} failed to send: {type(exc).__name__}: {exc}"
+        reply.send(_wire.refusal(_wire.TRANSFER, error))
+        return
+    store.count_sent(name, obj.nbytes)
+    reply.send({"ok": True, "sent": True})
+
+
+def _wait_prepared(obj: StoredObject, name: str, timeout: Any) -> Any:
+    """Transport ``name``'s metadata for ``obj``, waiting for background preparation."""
+    future = obj.preparing.get(name)
+    if future is None:
+        return obj.transport_state.get(name)
+    wait = _MAX_PREPARE_WAIT if timeout is None else min(float(timeout), _MAX_PREPARE_WAIT)
+    return future.result(timeout=max(wait, 0.0))
 
 
 def _serve_meta(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
@@ -347,3 +388,4 @@ _server.register(_wire.FETCH, _serve_fetch, needs_object=True, lane=DATA)
 _server.register(_wire.META, _serve_meta, needs_object=True, lane=DATA)
 _server.register(_wire.SENT, _serve_sent, needs_object=True, lane=CONTROL)
 _server.register(_wire.ABORT, _serve_abort, needs_object=True, lane=CONTROL)
+_server.register(_wire.SEND, _serve_send, needs_object=True, lane=DATA)

@@ -29,6 +29,7 @@ FETCH = "fetch"  # _producer: serve an object over a byte transport
 META = "meta"  # _producer: transport metadata prepared in the background
 SENT = "sent"  # _producer: a one-sided read finished (count it, check for writes)
 ABORT = "abort"  # _producer: a plug-in transfer failed in the consumer
+SEND = "send"  # _producer: run a two-sided plug-in's send_multiple_tensors
 STATS = "stats"  # _runtime: this process's LocalStats (no tensor data, no capability)
 GROUP_BROKEN = "group_broken"  # _group_api: a member saw the group fail
 GROUP_LEAVE = "group_leave"  # _group_api: destroy the group in this member

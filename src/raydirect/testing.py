@@ -22,6 +22,7 @@ this suite over each of its own transports.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any, ClassVar
 
@@ -148,17 +149,79 @@ class _Member:
     def stats(self) -> rd.LocalStats:
         return rd.local_stats()
 
+    def read_error(self, refs: list[ray.ObjectRef], timeout: float | None) -> str:
+        """What reading the object raises here (``ok`` if nothing)."""
+        try:
+            rd.get(refs[0], timeout=timeout)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    def aborts(self) -> int:
+        return len(_ABORTS)
+
 
 Member = ray.remote(num_cpus=0)(_Member)
+
+# ------------------------------------------------ two-sided failure cases
+#
+# Derived from the transport under test: its send raises, or its send and receive
+# hang until aborted. Each process records the aborts it saw.
+
+_ABORTS: list[str] = []
+_ABORTED = threading.Event()
+_HANG_S = 60.0
+
+
+def _send_raises(self: Any, tensors: Any, meta: Any, comm: Any) -> None:
+    raise RuntimeError("the conformance suite broke this send")
+
+
+def _hang_send(self: Any, tensors: Any, meta: Any, comm: Any) -> None:
+    _ABORTED.wait(_HANG_S)
+
+
+def _hang_recv(self: Any, obj_id: Any, meta: Any, comm: Any, target_buffers: Any = None) -> Any:
+    _ABORTED.wait(_HANG_S)
+    raise RuntimeError("aborted")
+
+
+def _record_abort(self: Any, obj_id: Any, comm: Any) -> None:
+    _ABORTS.append(str(obj_id))
+    _ABORTED.set()
+
+
+def _can_abort(cls: Any) -> bool:
+    return True
+
+
+def failing(manager_cls: type[rd.TensorTransportManager], how: str) -> type:
+    """``manager_cls`` whose send raises (``how="send"``), or whose send and
+    receive hang until aborted (``how="hang"``; it can abort)."""
+    if how == "send":
+        body: dict[str, Any] = {"send_multiple_tensors": _send_raises}
+    else:
+        body = {
+            "send_multiple_tensors": _hang_send,
+            "recv_multiple_tensors": _hang_recv,
+            "abort_transport": _record_abort,
+            "can_abort_transport": classmethod(_can_abort),
+        }
+    return type(f"{manager_cls.__name__}_{how}", (manager_cls,), body)
 
 
 class TransportConformance:
     """Subclass, set ``transport`` (and ``data_type`` for numpy transports,
-    ``group_backend`` for transports that need a collective group)."""
+    ``group_backend`` for transports that need a collective group). For a
+    two-sided plug-in also set ``manager_cls`` (the registered class) and
+    ``devices``: the suite then registers variants of it whose send fails or
+    hangs, and checks the errors, the deadline and the aborts on both sides."""
 
     transport: ClassVar[str] = ""
     data_type: ClassVar[type] = torch.Tensor
     group_backend: ClassVar[str | None] = None
+    manager_cls: ClassVar[type[rd.TensorTransportManager] | None] = None
+    devices: ClassVar[list[str]] = ["cpu"]
 
     producer: ClassVar[Any] = None
     consumer: ClassVar[Any] = None
@@ -221,4 +284,45 @@ class TransportConformance:
         deadline = time.monotonic() + _FREE_TIMEOUT_S
         while ray.get(self.producer.stats.remote()).num_objects:
             assert time.monotonic() < deadline, "the producer still holds objects"
+            time.sleep(0.05)
+
+    # ---- two-sided plug-ins: failures
+    def _variant(self, how: str) -> str:
+        cls = self.manager_cls
+        if cls is None or cls.is_one_sided():
+            import pytest  # the suite runs under pytest; the library does not need it
+
+            pytest.skip("a two-sided plug-in case: set manager_cls to a two-sided transport")
+        name = f"{self.transport}-{how}"
+        rd.register_tensor_transport(
+            name, self.devices, failing(cls, how), self.data_type, replace=True
+        )
+        return name
+
+    def _read_error(self, name: str, timeout: float | None) -> str:
+        [ref] = ray.get(self.producer.put.remote("dtypes", name, self.data_type))
+        return str(ray.get(self.consumer.read_error.remote([ref], timeout), timeout=120))
+
+    def test_a_failing_send_is_a_transfer_error_naming_the_transport(self) -> None:
+        name = self._variant("send")
+        error = self._read_error(name, 60)
+        assert error.startswith("TransferError") and name in error, error
+        assert "broke this send" in error, error
+        self.test_values_arrive_exactly_over_this_transport()  # both actors still work
+
+    def test_a_hanging_transfer_ends_at_the_deadline_and_both_sides_abort(self) -> None:
+        name = self._variant("hang")
+        before = [ray.get(m.aborts.remote()) for m in (self.producer, self.consumer)]
+        started = time.monotonic()
+        error = self._read_error(name, 3.0)
+        assert error.startswith("FetchTimeoutError"), error
+        assert time.monotonic() - started < 30
+        deadline = time.monotonic() + _FREE_TIMEOUT_S
+        while True:  # the producer hears of the abort through its agent: poll
+            after = [ray.get(m.aborts.remote()) for m in (self.producer, self.consumer)]
+            if all(a > b for a, b in zip(after, before, strict=True)):
+                break
+            assert time.monotonic() < deadline, (
+                f"abort_transport ran {after} times, {before} before"
+            )
             time.sleep(0.05)

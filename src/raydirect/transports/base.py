@@ -110,6 +110,19 @@ class PeerMetadata(CommunicatorMetadata):
             raise TimeoutError("transfer deadline passed")
 
 
+def metadata_classes() -> dict[str, type]:
+    """The metadata classes a message may name (``_wire``'s codec): the subclasses
+    of ``TensorTransportMetadata`` and ``CommunicatorMetadata`` loaded in this
+    process (a plug-in's arrive with its registration), and nothing else."""
+    found: dict[str, type] = {}
+    todo: list[type] = [TensorTransportMetadata, CommunicatorMetadata]
+    while todo:
+        cls = todo.pop()
+        found[_wire.class_key(cls)] = cls
+        todo.extend(cls.__subclasses__())
+    return found
+
+
 @dataclass
 class FetchRequest:
     """A fetch started by ``fetch_multiple_tensors``; the default (synchronous)
@@ -196,15 +209,23 @@ class TensorTransportManager(ABC):
     def get_communicator_metadata(
         self, src_actor: Any, dst_actor: Any, backend: str | None = None
     ) -> CommunicatorMetadata:
-        """Called in the consumer before a transfer. ``src_actor`` is None
-        (raydirect reaches producers through their agents, not their handles);
-        ``dst_actor`` is the consumer's own actor handle, None in a driver or task."""
+        """Called in the consumer before a transfer. ``dst_actor`` is the
+        consumer's own actor handle, None in a driver or task. ``src_actor`` is
+        None for one-sided transports (raydirect reaches producers through their
+        agents); for two-sided ones it is the producer's actor handle, None when
+        the producer is a driver or a task. Two-sided: the result travels to the
+        producer's agent as JSON (``_wire``'s codec: a dataclass of plain values,
+        bytes, tuples, dicts, dtypes), never as pickle."""
         return CommunicatorMetadata()
 
     def send_multiple_tensors(
         self, tensors: list[Any], meta: TensorTransportMetadata, comm_meta: CommunicatorMetadata
     ) -> None:
-        """Two-sided transports: called in the producer while the consumer receives."""
+        """Two-sided transports: called in the producer, on a thread of its agent,
+        while the consumer's ``recv_multiple_tensors`` runs with the same
+        ``comm_meta``; once per read. Raising fails that read with a
+        ``TransferError`` naming the transport (after ``abort_transport`` on both
+        sides when ``can_abort_transport()``); the object stays readable."""
         raise NotImplementedError(f"{type(self).__name__} is one-sided: nothing to send")
 
     @abstractmethod

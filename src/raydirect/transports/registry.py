@@ -85,21 +85,23 @@ _lock = threading.RLock()
 
 
 def _dumps_by_value(registration: Registration) -> bytes:
-    """Pickle the registration with its class *by value*: the consumer's process
-    need not be able to import the module that defined it."""
-    module = sys.modules.get(registration.cls.__module__)
-    by_value = (
-        module is not None
-        and module.__name__ != "__main__"  # pickled by value anyway
-        and not module.__name__.startswith("raydirect.")
-        and module.__name__ not in cloudpickle.list_registry_pickle_by_value()
-    )
-    if by_value:
+    """Pickle the registration with its class *by value*, and the classes it
+    derives from outside raydirect and the libraries: the consumer's process need
+    not be able to import the modules that defined them."""
+    names = {
+        c.__module__
+        for c in registration.cls.__mro__
+        if c.__module__ not in ("builtins", "abc", "__main__")  # __main__: by value anyway
+        and c.__module__.split(".")[0] not in ("raydirect", "torch", "numpy", "ray", "jax")
+    }
+    listed = set(cloudpickle.list_registry_pickle_by_value())
+    modules = [sys.modules[n] for n in sorted(names - listed) if n in sys.modules]
+    for module in modules:
         cloudpickle.register_pickle_by_value(module)
     try:
         return cloudpickle.dumps(registration)
     finally:
-        if by_value:
+        for module in modules:
             cloudpickle.unregister_pickle_by_value(module)
 
 
@@ -165,11 +167,6 @@ def _checked_registration(
     if data_type_name is None:
         raise TypeError(
             f"data_type must be torch.Tensor, numpy.ndarray or jax.Array, got {data_type!r}"
-        )
-    if not manager_cls.is_one_sided():
-        raise ValueError(
-            f"{manager_cls.__name__} is two-sided; raydirect runs two-sided plug-ins only "
-            "through its own groups so far: use a one-sided transport, or 'gloo'/'nccl'"
         )
     return data_type_name
 

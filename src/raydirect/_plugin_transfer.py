@@ -1,0 +1,192 @@
+"""Plug-in transfers: how a consumer receives over a registered transport.
+
+Plug-ins follow Ray RDT's contract and receive on their own terms; the
+orchestration around them is written once, here. One-sided: the consumer
+fetches (``fetch_multiple_tensors``/``wait_fetch_complete``). Two-sided: the
+consumer makes the communicator metadata, asks the producer's agent to run
+``send_multiple_tensors`` (op ``send``) and, once the agent has accepted,
+runs ``recv_multiple_tensors`` on a thread of its own while it watches the
+deadline, the producer's liveness and the agent's word on the send. Either way
+a failure aborts both sides where the transport can abort, and what arrived is
+checked against the object's metadata.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
+from typing import Any
+
+import numpy as np
+import torch
+
+from raydirect import _channel, _ray, _wire
+from raydirect._payload import Payload
+from raydirect._store import store
+from raydirect._tensors import finish
+from raydirect.errors import ProducerLostError, TransferError
+from raydirect.transports.base import PeerMetadata, TensorTransportManager
+
+log = logging.getLogger("raydirect")
+_SLICE_S = 0.02  # how often a two-sided receive looks at the agent's channel
+
+
+def receive(
+    name: str,
+    transport: TensorTransportManager,
+    payload: Payload,
+    meta: Any,
+    deadline: float | None,
+) -> list[Any]:
+    """The object's tensors received over plug-in ``name``; ``meta`` is what the
+    producer extracted. ``TransferError`` naming the transport on failure."""
+    who = payload.producer.describe()
+    comm: Any = None
+    try:
+        if transport.is_one_sided():
+            comm = transport.get_communicator_metadata(None, _ray.current_actor_handle(), name)
+            request = transport.fetch_multiple_tensors(payload.obj_id.hex(), meta, comm, None)
+            remaining = -1.0 if deadline is None else max(0.0, deadline - time.monotonic())
+            tensors = list(transport.wait_fetch_complete(request, remaining))
+        else:
+            comm = transport.get_communicator_metadata(
+                payload.actor, _ray.current_actor_handle(), name
+            )
+            tensors = _two_sided(name, transport, payload, meta, comm, deadline)
+    except (ProducerLostError, TimeoutError):
+        if comm is not None and transport.can_abort_transport():
+            _abort_both_sides(transport, name, payload, comm)
+        raise
+    except Exception as exc:
+        if comm is not None and transport.can_abort_transport():
+            _abort_both_sides(transport, name, payload, comm)
+        if isinstance(exc, TransferError):  # the agent's word on a failed send names it
+            raise
+        raise TransferError(
+            f"transport {name!r} failed to receive the object of {who}: {type(exc).__name__}: {exc}"
+        ) from exc
+    problem = _mismatch(tensors, payload.metas)
+    if problem:
+        raise TransferError(f"transport {name!r} returned {problem} for the object of {who}")
+    store.count_received(name, payload.nbytes)
+    return [
+        finish(t, m) if isinstance(t, torch.Tensor) else t
+        for t, m in zip(tensors, payload.metas, strict=True)
+    ]
+
+
+def encoded_comm(comm: Any) -> dict[str, Any]:
+    """Communicator metadata as request fields: JSON, byte strings in base64."""
+    frames: list[bytes] = []
+    data = _wire.encode_value(comm, frames)
+    return {"comm": data, "comm_frames": [base64.b64encode(f).decode() for f in frames]}
+
+
+def _two_sided(
+    name: str,
+    transport: TensorTransportManager,
+    payload: Payload,
+    meta: Any,
+    comm: Any,
+    deadline: float | None,
+) -> list[Any]:
+    producer = payload.producer
+    who = producer.describe()
+    link = PeerMetadata(producer, payload.capability, deadline, producer.node_id == _ray.node_id())
+    with _channel.channel(producer.agent_address) as ch:
+        if link.same_node:
+            ch.producer_alive = link.producer_alive
+        ch.send(
+            {
+                "op": _wire.SEND,
+                "obj": payload.obj_id.hex(),
+                "cap": payload.capability.hex(),
+                "transport": name,
+                **encoded_comm(comm),
+            }
+        )
+        ch.recv_reply(deadline, who)  # accepted: the producer sends from now on
+        received: Future[list[Any]] = Future()
+        threading.Thread(
+            target=_run_receive,
+            args=(received, transport, payload, meta, comm),
+            name="raydirect-recv",
+            daemon=True,
+        ).start()
+        return _await(ch, received, deadline, f"the {name} transfer from {who}", who)
+
+
+def _await(
+    ch: _channel.Channel, received: Future[list[Any]], deadline: float | None, what: str, who: str
+) -> list[Any]:
+    """The received tensors, once the agent has also said its send ended (so no
+    reply is left in the channel); the agent's refusal, the receive's error,
+    the producer's loss or the deadline first, whichever comes."""
+    sent = False
+    while True:
+        if not sent and ch.socket.poll(0):
+            ch.recv_reply(deadline, who)  # the send failed: TransferError naming the transport
+            sent = True
+        if received.done():
+            if sent or received.exception() is not None:
+                return received.result()
+            ch.wait_readable(deadline, who)
+            continue
+        if deadline is not None and time.monotonic() >= deadline:
+            raise TimeoutError(f"{what} did not finish before the deadline")
+        ch.check_peer(who)
+        with contextlib.suppress(FutureTimeoutError):  # still receiving: look again
+            received.exception(timeout=_SLICE_S)
+
+
+def _run_receive(
+    received: Future[list[Any]],
+    transport: TensorTransportManager,
+    payload: Payload,
+    meta: Any,
+    comm: Any,
+) -> None:
+    # A thread of its own, not a pool: a receive that never returns (a transport
+    # that cannot abort) must not take a worker others wait for.
+    try:
+        received.set_result(
+            list(transport.recv_multiple_tensors(payload.obj_id.hex(), meta, comm, None))
+        )
+    except BaseException as exc:  # handed to the waiting consumer
+        received.set_exception(exc)
+
+
+def _abort_both_sides(
+    transport: TensorTransportManager, name: str, payload: Payload, comm: Any
+) -> None:
+    obj_id = payload.obj_id.hex()
+    try:
+        transport.abort_transport(obj_id, comm)
+        header = {
+            "op": _wire.ABORT,
+            "obj": obj_id,
+            "cap": payload.capability.hex(),
+            "transport": name,
+        }
+        _channel.notify(payload.producer.agent_address, {**header, **encoded_comm(comm)})
+    except Exception:  # aborting is best effort; the failure is reported either way
+        log.debug("raydirect: aborting %s failed", name, exc_info=True)
+
+
+def _mismatch(received: list[Any], metas: list[Any]) -> str | None:
+    if len(received) != len(metas):
+        return f"{len(received)} tensors where {len(metas)} were due"
+    for i, (got, meta) in enumerate(zip(received, metas, strict=True)):
+        shape = tuple(getattr(got, "shape", ()))
+        if isinstance(got, np.ndarray):
+            dtype_ok = meta.np_dtype is None or got.dtype.str == meta.np_dtype
+        else:
+            dtype_ok = str(getattr(got, "dtype", "")).removeprefix("torch.") == meta.dtype
+        if shape != tuple(meta.shape) or not dtype_ok:
+            return f"tensor {i} of shape {shape} and dtype {getattr(got, 'dtype', '?')}"
+    return None
