@@ -1,4 +1,4 @@
-"""raydirect against Ray's object store and Ray's RDT, five workloads, one Ray session.
+"""raydirect against Ray's object store and Ray's RDT, six workloads, one Ray session.
 
 1. actor -> actor, one tensor, 4 KiB ... 1 GiB
 2. weight sync: a 256 MiB state dict of 200 tensors to 1, 2 and 4 consumers
@@ -9,7 +9,7 @@
 Every value moved is checked. Tables (markdown, with ratios) go to stdout,
 progress lines to stderr. See benchmarks/README.md for what each row means.
 
-    ./dev raydirect bench [--workloads 1,2,3,4,5] [--quick] [--groups ...]
+    ./dev raydirect bench [--workloads 1,2,3,4,5,6] [--quick] [--groups ...]
                           [--json out.json] [--plot out.png]
 """
 
@@ -78,7 +78,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return f"[{full} / {quick}]"
 
     parser.add_argument(
-        "--workloads", default="1,2,3,4,5", help="which workloads to run, e.g. 1,3 [all]"
+        "--workloads", default="1,2,3,4,5,6", help="which workloads to run, e.g. 1,3 [all]"
     )
     parser.add_argument(
         "--groups",

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 CLI = [sys.executable, "-m", "raydirect.cli"]
-WORKLOADS = {1, 2, 3, 4, 5}
+WORKLOADS = {1, 2, 3, 4, 5, 6}
 
 
 def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
@@ -49,6 +49,7 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
     systems = {(r["workload"], r["system"]) for r in rows if r["skipped"] is None}
     assert (1, "raydirect auto") in systems and (1, "ray object store") in systems
     assert (3, "ray actor call") in systems and (5, "raydirect auto") in systems
+    assert (6, "raydirect WeightPublisher, 4-way sharded") in systems
     # progress lines name workload, system and point
     assert "w2 raydirect auto @ 2 consumers" in done.stderr
     # one markdown table per workload on stdout

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,14 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
         ("custom_transport.py", "files after the ref is gone: 0"),
         ("weight_sync.py", "all 4 rollouts match the trainer at every step: True"),
         ("two_sided_transport.py", "sends in the producer: 2"),
+        pytest.param(
+            "weight_sync_model.py",
+            "both ranks match the trainer at every step: True",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("transformers") is None,
+                reason="transformers is not installed (the test extra installs it)",
+            ),
+        ),
     ],
 )
 def test_example_runs(script, expected):

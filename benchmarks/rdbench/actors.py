@@ -37,6 +37,7 @@ from rdbench.common import (
     fill_pattern,
     part_seed,
 )
+from rdbench.shards import check_shards, shard_of, sharded_shape
 
 RAYDIRECT_TRANSPORTS = ("auto", "cma", "shm", "tcp", "gloo", "nixl")
 POOL_ENV = "RAYDIRECT_RECV_POOL_BYTES"  # raydirect's receive-buffer pool cap
@@ -133,6 +134,17 @@ class _Producer(PatternSource):
 
     def stats(self) -> dict[str, Any]:
         return asdict(rd.local_stats())
+
+    def publish(self) -> Any:
+        """Workload 6: the next version of the tensors through rd.WeightPublisher (one
+        per allocation); ``prepare`` writing them in place between steps is the step."""
+        if self._publisher is None or self._published_from is not self.tensors:
+            self._publisher = rd.WeightPublisher(self.tensors)
+            self._published_from = self.tensors
+        return self._publisher.publish((self._publisher.version or 0) + 1, timeout=FREE_TIMEOUT_S)
+
+    _publisher: Any = None
+    _published_from: Any = None
 
 
 for _name, _fn in _raydirect_methods().items():
@@ -287,6 +299,43 @@ class CheckingConsumer:
 
     def stats(self) -> dict[str, Any]:
         return asdict(rd.local_stats())
+
+    # ---- workload 6: weight sync through the weight API, and the same job done by hand
+    def _targets(self, layout: Layout, rank: int, world: int) -> dict[str, torch.Tensor]:
+        if world == 1:
+            return self.buffers(layout)
+        key = (tuple(layout.items()), rank, world)
+        if getattr(self, "_shards", (None,))[0] != key:
+            shapes = {n: sharded_shape(n, s, rank, world) for n, s in layout.items()}
+            self._shards = (key, {n: torch.zeros(s, dtype=DTYPE) for n, s in shapes.items()})
+        return self._shards[1]
+
+    def load_weights(self, handle: Any, seed: int, layout: Layout, rank: int, world: int) -> int:
+        """rd.WeightSubscriber into this consumer's own tensors (a shard of each when
+        ``world`` > 1); checks them; returns the bytes it holds."""
+        targets = self._targets(layout, rank, world)
+        handle = ray.get(handle) if isinstance(handle, ray.ObjectRef) else handle
+        key = (id(targets), rank, world, handle.layout.token)  # a new publisher: a new subscriber
+        if getattr(self, "_sub", (None,))[0] != key:
+            shard = (lambda n, s: shard_of(n, s, rank, world)) if world > 1 else None
+            self._sub = (key, rd.WeightSubscriber(targets, shard=shard))
+        self._sub[1].load(handle, timeout=TRANSFER_TIMEOUT_S)
+        return check_shards(targets, layout, seed, rank, world)
+
+    def copy_state(self, state: Any, seed: int, layout: Layout, rank: int, world: int) -> int:
+        """What users write with Ray's object store or RDT: the whole dict arrives as
+        a task argument, then each tensor (or this rank's slice of it) is copied
+        into the consumer's own tensors, as ``load_state_dict`` does."""
+        targets = self._targets(layout, rank, world)
+        for name, target in targets.items():
+            spec = shard_of(name, layout[name], rank, world) if world > 1 else None
+            source = (
+                state[name]
+                if spec is None
+                else state[name].narrow(spec[0], spec[1], spec[2] - spec[1])
+            )
+            target.copy_(source)
+        return check_shards(targets, layout, seed, rank, world)
 
 
 Consumer: Any = ray.remote(num_cpus=ACTOR_NUM_CPUS)(CheckingConsumer)

@@ -82,8 +82,8 @@ class Context:
         """Start every actor the chosen workloads need at once: each takes seconds
         to import torch, and in parallel those seconds overlap."""
         cfg = self.config
-        consumers = max(cfg.consumers) if 2 in cfg.workloads else 1
-        if (cfg.wants(GROUP_RDT) or cfg.wants(GROUP_NIXL)) and set(cfg.workloads) & {1, 2, 3, 5}:
+        consumers = max(cfg.consumers) if set(cfg.workloads) & {2, 6} else 1
+        if (cfg.wants(GROUP_RDT) or cfg.wants(GROUP_NIXL)) and set(cfg.workloads) & {1, 2, 3, 5, 6}:
             log(f"starting RDT's producer and {consumers} consumer(s)")
             self._rdt_actors = [RdtProducer.remote()]
             self._rdt_actors += [RdtConsumer.remote() for _ in range(consumers)]

@@ -61,6 +61,7 @@ from rdbench.fleet import (
     rdt_ready,
     skip,
 )
+from rdbench.weights import weight_api
 
 FLOOR_TORCH_THREADS = 1  # Ray workers run torch with one thread; the floors do too
 SMALL_BYTES = 4 * KIB
@@ -109,9 +110,7 @@ def actor_to_actor(ctx: Context) -> list[Row]:
         return r
 
     transports = [
-        t
-        for t in RAYDIRECT_TRANSPORTS
-        if cfg.wants(GROUP_NIXL if t == "nixl" else GROUP_RAYDIRECT)
+        t for t in RAYDIRECT_TRANSPORTS if cfg.wants(GROUP_NIXL if t == "nixl" else GROUP_RAYDIRECT)
     ]
     if transports:
         producer, consumer = ctx.raydirect_pair()
@@ -369,8 +368,10 @@ def small_objects(ctx: Context) -> list[Row]:
             log(f"{where}: median {row.median():.0f} us per round trip")
         except Exception as exc:
             reason = describe_error(exc)
-            if spec.rdt_transport is None and spec.group == GROUP_RDT and (
-                "does not have tensor transport" in reason
+            if (
+                spec.rdt_transport is None
+                and spec.group == GROUP_RDT
+                and ("does not have tensor transport" in reason)
             ):
                 skip(
                     row,
@@ -594,6 +595,14 @@ WORKLOADS = {
         ),
         Workload(
             5, "the driver reads one large tensor", "size", "GB/s", (OBJECT_STORE,), to_driver
+        ),
+        Workload(
+            6,
+            "weight sync through the weight API, 200 and 5,000 tensors",
+            "tensors, consumers",
+            "GB/s",
+            (OBJECT_STORE, RDT_GLOO),
+            weight_api,
         ),
     ]
 }

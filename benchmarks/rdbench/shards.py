@@ -1,0 +1,93 @@
+"""Tensor-parallel shards of the benchmark's Llama-like state dict (workload 6).
+
+Column-parallel weights (embedding, q/k/v, gate/up) are split by rows, dim 0;
+row-parallel ones (o, down) by columns, dim 1 (a strided slice); norms are
+replicated, as is any tensor whose split dimension does not divide evenly.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rdbench.common import DTYPE, ELEMENT_BYTES, Layout, part_seed
+
+_COLUMN_PARALLEL = ("embed_tokens", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+_ROW_PARALLEL = ("o_proj", "down_proj")
+_SAMPLES = 8  # elements of each checked tensor compared with the pattern
+# Tensors checked per step, picked anew from the seed each step: checking all of
+# 5,000 tensors would cost more than moving them, and the table would measure it.
+_CHECKED_TENSORS = 64
+
+
+def shard_of(
+    name: str, shape: tuple[int, ...], rank: int, world: int
+) -> tuple[int, int, int] | None:
+    """``(dim, start, stop)`` of rank ``rank``'s slice of tensor ``name``, or None."""
+    if any(k in name for k in _COLUMN_PARALLEL):
+        dim = 0
+    elif any(k in name for k in _ROW_PARALLEL) and len(shape) > 1:
+        dim = 1
+    else:
+        return None
+    if shape[dim] % world:
+        return None
+    part = shape[dim] // world
+    return (dim, rank * part, (rank + 1) * part)
+
+
+def sharded_shape(name: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[int, ...]:
+    spec = shard_of(name, shape, rank, world)
+    if spec is None:
+        return shape
+    dim, start, stop = spec
+    return (*shape[:dim], stop - start, *shape[dim + 1 :])
+
+
+def check_shards(
+    targets: dict[str, torch.Tensor], layout: Layout, seed: int, rank: int, world: int
+) -> int:
+    """Compare sampled elements of ``_CHECKED_TENSORS`` targets (the first, the
+    last and others picked by ``seed``) with the pattern of the full tensor
+    (element i of tensor k holds i + part_seed(seed, k)); return the bytes held."""
+    names = list(layout)
+    gen = torch.Generator().manual_seed(seed)
+    picked = {
+        0,
+        len(names) - 1,
+        *torch.randint(0, len(names), (_CHECKED_TENSORS,), generator=gen).tolist(),
+    }
+    for k in sorted(picked):
+        _check_one(
+            targets[names[k]], names[k], layout[names[k]], part_seed(seed, k), rank, world, gen
+        )
+    return sum(t.numel() for t in targets.values()) * ELEMENT_BYTES
+
+
+def _check_one(
+    target: torch.Tensor,
+    name: str,
+    shape: tuple[int, ...],
+    seed: int,
+    rank: int,
+    world: int,
+    gen: torch.Generator,
+) -> None:
+    spec = shard_of(name, shape, rank, world) if world > 1 else None
+    n = target.numel()
+    picks = torch.cat([torch.tensor([0, n - 1]), torch.randint(0, n, (_SAMPLES,), generator=gen)])
+    index = list(torch.unravel_index(picks, tuple(target.shape)))
+    if spec is not None:
+        index[spec[0]] = index[spec[0]] + spec[1]
+    flat = torch.zeros_like(picks)
+    for dim, size in enumerate(shape):
+        flat = flat * size + index[dim]
+    if not torch.equal(target.reshape(-1)[picks], (flat + seed).to(DTYPE)):
+        raise ValueError(f"{name} (rank {rank} of {world}): wrong contents for seed {seed}")
+
+
+def shard_bytes(layout: Layout, rank: int, world: int) -> int:
+    return (
+        sum(math.prod(sharded_shape(n, s, rank, world)) for n, s in layout.items()) * ELEMENT_BYTES
+    )

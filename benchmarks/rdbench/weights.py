@@ -1,0 +1,186 @@
+"""Workload 6: weight sync through raydirect's weight API, against the same job
+done the way users write it with Ray's object store and Ray's RDT.
+
+The question: how long does one weight-sync step take (a trainer's state to N
+inference actors, whole or 4-way tensor-parallel sharded), as 200 tensors and
+as 5,000 tensors of the same total size?
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+import torch
+
+from rdbench.common import (
+    DTYPE,
+    ELEMENT_BYTES,
+    GROUP_FLOORS,
+    GROUP_RAY,
+    GROUP_RAYDIRECT,
+    GROUP_RDT,
+    OBJECT_STORE,
+    RDT_GLOO,
+    SETUP_TIMEOUT_S,
+    TRANSFER_TIMEOUT_S,
+    Layout,
+    Row,
+    fill_layout,
+    format_size,
+    layout_bytes,
+    log,
+    run_row,
+    state_dict_layout,
+)
+from rdbench.fleet import Context, allocate, rdt_ready
+from rdbench.shards import shard_bytes
+
+LAYERS = {200: 22, 5000: 555}  # tensors -> decoder layers (9 tensors each, plus 2)
+ONE_TENSOR = "model.embed_tokens.weight"  # the same bytes as one tensor: the baseline
+WORLD = 4  # tensor-parallel ranks of the sharded rows
+WEIGHT_API = "raydirect WeightPublisher"
+LOAD_ONLY = "loads only"  # publish untimed: what each consumer's load costs
+FLOOR_COPY = "floor: in-process copy"
+
+
+def _param(tensors: int, consumers: int) -> str:
+    return f"{tensors} tensor{'s' * (tensors > 1)}, {consumers} consumer{'s' * (consumers > 1)}"
+
+
+def weight_api(ctx: Context) -> list[Row]:
+    """Per step, untimed: the trainer writes every tensor in place (a new seed).
+    Timed, from the driver: ``publish`` and every consumer's load into its own
+    tensors, checked, until the last is done. GB/s counts the bytes each consumer
+    holds (the whole state, or its shard) times consumers."""
+    cfg, rows = ctx.config, list[Row]()
+    for tensors, layout in _layouts(cfg.state_bytes).items():
+        log(f"w6: {len(layout)} tensors, {format_size(cfg.state_bytes)}")
+        for world in (1, WORLD):
+            shape = "full" if world == 1 else f"{world}-way sharded"
+            if cfg.wants(GROUP_RAYDIRECT):
+                rows += _family(ctx, f"{WEIGHT_API}, {shape}", tensors, layout, world, rdt=None)
+                rows += _family(
+                    ctx, f"{WEIGHT_API}, {shape}, {LOAD_ONLY}", tensors, layout, world, rdt=None
+                )
+            if cfg.wants(GROUP_RAY):
+                rows += _family(ctx, _name(OBJECT_STORE, world), tensors, layout, world, rdt=False)
+            if cfg.wants(GROUP_RDT):
+                rows += _family(ctx, _name(RDT_GLOO, world), tensors, layout, world, rdt=True)
+        if cfg.wants(GROUP_FLOORS):
+            rows.append(_floor(ctx, tensors, layout))
+    ctx.release()
+    return rows
+
+
+def _layouts(nbytes: int) -> dict[int, Layout]:
+    """The same bytes as 1 tensor (split by rows when sharded), 200 and 5,000."""
+    layouts: dict[int, Layout] = {1: {ONE_TENSOR: (nbytes // ELEMENT_BYTES // 1024, 1024)}}
+    for tensors, layers in LAYERS.items():
+        try:
+            layouts[tensors] = state_dict_layout(nbytes, layers=layers)
+        except ValueError as exc:  # too small a state for that many layers (tests' sizes)
+            log(f"w6: no {tensors}-tensor rows: {exc}")
+    return layouts
+
+
+def _name(system: str, world: int) -> str:
+    return system if world == 1 else f"{system}, {world}-way sharded copy"
+
+
+def _family(
+    ctx: Context, system: str, tensors: int, layout: Layout, world: int, rdt: bool | None
+) -> list[Row]:
+    cfg = ctx.config
+    counts = [n for n in cfg.consumers if world == 1 or n <= WORLD]
+    family = [
+        Row(6, system, _param(tensors, n), tensors * 10 + n, _delivered(layout, n, world))
+        for n in counts
+    ]
+    if rdt:
+        actors = rdt_ready(ctx, family)
+        if actors is None:
+            return family
+        producer, consumers = actors
+    else:
+        producer, consumers = ctx.producers(1)[0], ctx.consumers(max(cfg.consumers))
+    if not allocate([producer], layout, family):
+        return family
+    for row, n in zip(family, counts, strict=True):
+        publish = rdt is None
+        step = _step(producer, consumers[:n], layout, world, publish, LOAD_ONLY in system)
+        run_row(row, cfg.sync_steps, step, ctx.seed_iter)
+    return family
+
+
+def _delivered(layout: Layout, consumers: int, world: int) -> int:
+    if world == 1:
+        return layout_bytes(layout) * consumers
+    return sum(shard_bytes(layout, r % world, world) for r in range(consumers))
+
+
+def _step(
+    producer: Any,
+    consumers: list[Any],
+    layout: Layout,
+    world: int,
+    publish: bool,
+    loads_only: bool = False,
+) -> Callable[[int], float]:
+    def step(seed: int) -> float:
+        ray.get(producer.prepare.remote(seed), timeout=SETUP_TIMEOUT_S)  # the trainer's step
+        if loads_only:
+            ref = producer.publish.remote()
+            ray.wait([ref], timeout=TRANSFER_TIMEOUT_S)
+        start = time.perf_counter()
+        if publish:
+            if not loads_only:
+                ref = producer.publish.remote()
+            loads = [
+                c.load_weights.remote(ref, seed, layout, i % world, world)
+                for i, c in enumerate(consumers)
+            ]
+        else:
+            ref = producer.state.remote()
+            loads = [
+                c.copy_state.remote(ref, seed, layout, i % world, world)
+                for i, c in enumerate(consumers)
+            ]
+        got = ray.get(loads, timeout=TRANSFER_TIMEOUT_S)
+        seconds = time.perf_counter() - start
+        want = [
+            _delivered(layout, 1, 1) if world == 1 else shard_bytes(layout, i % world, world)
+            for i in range(len(consumers))
+        ]
+        if got != want:
+            raise ValueError(f"consumers hold {got} bytes, expected {want}")
+        return seconds
+
+    return step
+
+
+def _floor(ctx: Context, tensors: int, layout: Layout) -> Row:
+    """One in-process copy of the same tensors into preallocated ones (one thread,
+    as in a Ray worker)."""
+    row = Row(6, FLOOR_COPY, _param(tensors, 1), tensors * 10 + 1, layout_bytes(layout))
+    source = {n: torch.empty(s, dtype=DTYPE) for n, s in layout.items()}
+    target = {n: torch.zeros(s, dtype=DTYPE) for n, s in layout.items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def copy(seed: int) -> float:
+        fill_layout(source, seed)
+        start = time.perf_counter()
+        for name, tensor in source.items():
+            target[name].copy_(tensor)
+        seconds = time.perf_counter() - start
+        if not all(torch.equal(target[n], source[n]) for n in (next(iter(layout)),)):
+            raise ValueError("the floor's copy differs")
+        return seconds
+
+    try:
+        return run_row(row, ctx.config.sync_steps, copy, ctx.seed_iter)
+    finally:
+        torch.set_num_threads(threads)
