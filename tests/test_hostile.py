@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 import raydirect as rd
 from raydirect import _consumer, _process, _wire
 from raydirect._payload import PREPARING, Payload, ProducerInfo
-from raydirect.transports.base import PeerMetadata, TensorTransportMetadata
+from raydirect.transports.base import PeerMetadata, TensorTransportMetadata, metadata_classes
 from raydirect.transports.registry import transport_instance
 
 from actors import Producer, check_value
@@ -458,7 +458,7 @@ def test_plugin_metadata_round_trips_without_pickle():
     )
     frames: list[bytes] = []
     data = json.loads(json.dumps(_wire.encode_value(meta, frames)))  # what the wire carries
-    back = _wire.decode_value(data, frames, _consumer._metadata_classes())
+    back = _wire.decode_value(data, frames, metadata_classes())
     assert type(back) is PickleShmMetadata and back.path == meta.path
     assert back.tensor_meta == meta.tensor_meta and back.extra["blob"] == meta.extra["blob"]
     assert back.extra[3] == (1, 2.5, None)
