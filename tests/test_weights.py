@@ -235,3 +235,13 @@ def test_bad_arguments_are_refused_at_the_call(ray_session):
         pub.publish(3)
     with pytest.raises(TypeError, match="WeightsHandle"):
         rd.WeightSubscriber({"a": torch.zeros(2)}).load(object())  # type: ignore[arg-type]
+
+
+def test_depth_zero_with_a_module_holds_its_parameters_until_the_handle_goes(ray_session):
+    source = torch.nn.Linear(16, 8)
+    pub = rd.WeightPublisher(source, depth=0)
+    handle = pub.publish(1)
+    with pytest.raises(TimeoutError):
+        rd.wait_tensor_freed(source.weight, timeout=0.5)  # the live parameter is held
+    del handle
+    rd.wait_tensor_freed(source.weight, timeout=30)  # released with the last handle

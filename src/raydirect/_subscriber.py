@@ -63,8 +63,15 @@ class WeightSubscriber:
         that fails midway raises ``WeightSyncError`` (the cause chained): the
         target may then be partly written, and ``sub.version`` stays.
         """
+        deadline = None if timeout is None else time.monotonic() + timeout
         if isinstance(handle, ray.ObjectRef):  # a ref to a handle (a method returned it)
-            handle = ray.get(handle, timeout=timeout)
+            try:
+                handle = ray.get(handle, timeout=timeout)
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                raise WeightSyncError(
+                    f"the handle did not arrive ({type(exc).__name__}: {exc}); nothing was "
+                    f"written; sub.version stays {self.version}"
+                ) from exc
         if not isinstance(handle, WeightsHandle):
             raise TypeError(f"load takes a WeightsHandle from publish, got {type(handle).__name__}")
         if self.version is not None and handle.version <= self.version:
@@ -73,9 +80,9 @@ class WeightSubscriber:
                 "nothing was written"
             )
         plan = self._plan(handle.layout)
-        deadline = None if timeout is None else time.monotonic() + timeout
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            [value] = get_deferred([handle.ref], timeout)
+            [value] = get_deferred([handle.ref], remaining)
             if not isinstance(value, PendingFetch):
                 raise WeightSyncError("the handle's object holds no raydirect tensors")
             fetch_ranges(value.payload, plan.ranges, deadline)

@@ -38,7 +38,9 @@ def state_of(source: Any, what: str) -> dict[str, torch.Tensor]:
     """The named tensors of an ``nn.Module`` (its ``state_dict()``, sharing the
     parameters' memory) or of a ``dict[str, Tensor]``."""
     if isinstance(source, torch.nn.Module):
-        return dict(source.state_dict())
+        # keep_vars: the parameters themselves, not new detached tensors each call,
+        # so that rd.wait_tensor_freed(param) sees what a depth=0 version holds.
+        return dict(source.state_dict(keep_vars=True))
     if isinstance(source, Mapping):
         state = dict(source)
         for name, tensor in state.items():
