@@ -15,6 +15,15 @@ those parameters, moving only that half's bytes. A forward pass then runs
 layer by layer: each rank computes its partial attention and MLP outputs, and
 the driver sums them (the all-reduce of tensor parallelism) before the next
 layer. The logits must equal the trainer's at every step.
+
+Each version prints the bytes each rank received (``rd.local_stats()``): just
+its shard, the same as the bytes of its own tensors (the embeddings and head
+are whole on both ranks, so a rank holds about two thirds of the model here),
+and whether the logits match the trainer's for the same fixed tokens
+(``torch.allclose``, rtol 1e-4, atol 1e-5: the driver adds the partial sums in
+another order than the trainer's matmuls, so the last bits may differ). The
+logits must also change from one version to the next, so a rank that missed a
+version could not pass. Exits 1 on any mismatch.
 """
 
 from __future__ import annotations
@@ -95,8 +104,11 @@ class InferenceRank:
     def load(self, handle) -> int:
         return self.subscriber.load(handle, timeout=60)
 
-    def received(self) -> int:
-        return sum(rd.local_stats().bytes_received.values())
+    def received(self) -> dict[str, int]:
+        return rd.local_stats().bytes_received  # by transport, since the process started
+
+    def shard_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.model.state_dict().values())
 
     @torch.no_grad()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -132,15 +144,28 @@ def main() -> int:
     ray.init(logging_level="error")
     trainer = Trainer.remote()
     ranks = [InferenceRank.remote(r) for r in range(WORLD)]
+    shard_bytes = ray.get([r.shard_bytes.remote() for r in ranks])
+    before, previous = [0] * WORLD, None
     all_match = True
     for version in range(1, STEPS + 1):
-        handle = trainer.step_and_publish.remote(version)
-        assert ray.get([r.load.remote(handle) for r in ranks]) == [version] * WORLD
+        handle = trainer.step_and_publish.remote(version)  # a ref to the rd.WeightsHandle
+        loaded = ray.get([r.load.remote(handle) for r in ranks])
         got, want = tensor_parallel_logits(ranks), ray.get(trainer.logits.remote())
-        match = torch.allclose(got, want, rtol=1e-4, atol=1e-5)
-        all_match &= match
-        received = ray.get([r.received.remote() for r in ranks])
-        print(f"version {version}: bytes received per rank {received}, logits match: {match}")
+        match = loaded == [version] * WORLD and torch.allclose(got, want, rtol=1e-4, atol=1e-5)
+        # The step moved the weights, so a rank that missed a version could not match.
+        moved = previous is None or not torch.allclose(want, previous, rtol=1e-4, atol=1e-5)
+        all_match &= match and moved
+        previous = want
+        stats = ray.get([r.received.remote() for r in ranks])
+        total = [sum(s.values()) for s in stats]
+        step = [t - b for t, b in zip(total, before, strict=True)]
+        before = total
+        print(
+            f"version {version}: bytes received per rank {step} over {'+'.join(sorted(stats[0]))} "
+            f"(their shards: {shard_bytes}; the whole version: {ray.get(handle).nbytes})\n"
+            f"  logits match the trainer's: {match} (max difference "
+            f"{(got - want).abs().max().item():.1e}; changed since the last version: {moved})"
+        )
     print(f"both ranks match the trainer at every step: {all_match}")
     ray.shutdown()
     return 0 if all_match else 1
