@@ -73,10 +73,6 @@ class Reply:
         self._socket().send_multipart([self._identity, frame], copy=False)
 
 
-ObjectHandler = Callable[[StoredObject, dict[str, Any], Reply], None]
-PlainHandler = Callable[[dict[str, Any], Reply], None]
-
-
 @dataclass(frozen=True)
 class Handler:
     fn: Callable[..., None]
@@ -94,10 +90,6 @@ def register(op: str, fn: Callable[..., None], *, needs_object: bool, lane: str)
     if lane not in _LANE_THREADS:
         raise ValueError(f"unknown lane {lane!r}")
     _handlers[op] = Handler(fn, needs_object, lane)
-
-
-def registered_ops() -> list[str]:
-    return sorted(_handlers)
 
 
 def _peer_of(frame: zmq.Frame) -> str:

@@ -45,7 +45,6 @@ LOST = "lost"
 UNAUTHENTICATED = "unauthenticated"
 BAD_REQUEST = "bad_request"
 TRANSFER = "transfer"
-BUSY = "busy"
 
 
 @functools.lru_cache(maxsize=4)

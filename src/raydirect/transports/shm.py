@@ -69,10 +69,9 @@ def _map(path: str, size: int, create: bool) -> mmap.mmap:
         os.close(fd)
 
 
-def copy_sliced(dst: torch.Tensor, src: torch.Tensor, comm_meta: PeerMetadata | None) -> None:
+def _copy_sliced(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Stage ``src`` into ``dst`` in slices (the agent's staging copy)."""
     for start in range(0, src.numel(), _COPY_SLICE):
-        if comm_meta is not None:
-            comm_meta.check_deadline()
         dst[start : start + _COPY_SLICE].copy_(src[start : start + _COPY_SLICE])
 
 
@@ -259,7 +258,7 @@ class ShmTransport(ByteTransport):
                 offsets, total = arena_layout(obj.metas)
                 seg = self._segments().acquire(obj.obj_id, total)
                 for buf, off in zip(obj.buffers, offsets, strict=True):
-                    copy_sliced(seg.view[off : off + buf.numel()], buf, None)
+                    _copy_sliced(seg.view[off : off + buf.numel()], buf)
                 state = {"segment": seg.name, "size": seg.size, "offsets": offsets}
                 obj.transport_state[self.name] = state
         reply.send({"ok": True, **state})
