@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,7 +34,16 @@ MIB = 1 << 20
 GB = 1e9
 DTYPE_BYTES = 4
 SEED_STEP = 7919
-ROWS = ("raydirect tcp", "raydirect gloo", "ray object store", "ray RDT gloo")
+IPERF = "iperf3 (1 stream)"
+ROWS = (
+    IPERF,
+    "raydirect tcp (1 stream)",
+    "raydirect tcp",
+    "raydirect gloo",
+    "ray object store",
+    "ray RDT gloo",
+)
+IPERF_PORT = 5201
 TIMEOUT_S = 300.0
 
 
@@ -190,6 +201,10 @@ def inner(address: str, sizes: list[int], repeats: int) -> dict[str, Any]:
     where = ray.get([producer.allocate.remote(MIB), consumer.where.remote()], timeout=TIMEOUT_S)
     log(f"producer on {where[0]}, consumer on {where[1]}")
     rd.create_collective_group([producer, consumer], backend="gloo", name="bench")
+    single = {**thp, "RAYDIRECT_TCP_STREAMS": "1"}
+    one_stream = Consumer.options(**on_a, runtime_env={"env_vars": single}).remote()
+    run_row("raydirect tcp (1 stream)", producer, producer.make_tcp.remote, one_stream)
+    ray.kill(one_stream)
     run_row("raydirect tcp", producer, producer.make_tcp.remote, consumer)
     run_row("raydirect gloo", producer, producer.make_gloo.remote, consumer)
     counts = ray.get(consumer.stats.remote(), timeout=TIMEOUT_S)
@@ -219,11 +234,74 @@ def inner(address: str, sizes: list[int], repeats: int) -> dict[str, Any]:
 # ---------------------------------------------------------------- outside: cluster and table
 
 
+def iperf_rate(cluster: Any, harness: Any, args: list[str]) -> float:
+    """GB/s that one iperf3 client run from node B to node A received."""
+    server = subprocess.Popen(
+        [
+            "ip",
+            "netns",
+            "exec",
+            harness.NS_HEAD,
+            "iperf3",
+            "-s",
+            "-1",
+            "-B",
+            harness.ADDR_HEAD,
+            "-p",
+            str(IPERF_PORT),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for _attempt in range(50):  # the server needs a moment to listen
+            proc = subprocess.run(
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    harness.NS_WORKER,
+                    "iperf3",
+                    "-J",
+                    "-c",
+                    harness.ADDR_HEAD,
+                    "-p",
+                    str(IPERF_PORT),
+                    *args,
+                ],
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+            report = json.loads(proc.stdout or "{}")
+            if proc.returncode == 0 and "sum_received" in report.get("end", {}):
+                return report["end"]["sum_received"]["bits_per_second"] / 8 / GB
+            time.sleep(0.1)
+        raise RuntimeError(f"iperf3 failed: {proc.stdout[-500:]} {proc.stderr[-500:]}")
+    finally:
+        server.kill()
+        server.wait(timeout=30)
+
+
+def iperf_rows(cluster: Any, harness: Any, sizes: list[int], repeats: int) -> dict[str, Any]:
+    """iperf3 over the same veth, same direction: per size (``-n``), and sustained."""
+    rows: dict[str, Any] = {}
+    for nbytes in sizes:
+        rates = [iperf_rate(cluster, harness, ["-n", str(nbytes)]) for _ in range(repeats)]
+        rows[str(nbytes)] = {"median_gbps": statistics.median(rates), "rates": rates}
+        log(f"{IPERF} @ {nbytes // MIB} MiB: {rows[str(nbytes)]['median_gbps']:.2f} GB/s")
+    sustained = {
+        f"{p} streams, 3 s": iperf_rate(cluster, harness, ["-t", "3", "-P", str(p)]) for p in (1, 2)
+    }
+    log(f"iperf3 sustained: {sustained}")
+    return {"rows": rows, "sustained": sustained}
+
+
 def table(result: dict[str, Any], sizes: list[int]) -> str:
     rows = result["rows"]
     lines = [
-        "| row | size | median GB/s | vs object store | vs RDT gloo |",
-        "|---|---:|---:|---:|---:|",
+        "| row | size | median GB/s | vs iperf3 | vs object store | vs RDT gloo |",
+        "|---|---:|---:|---:|---:|---:|",
     ]
     for name in ROWS:
         for nbytes in sizes:
@@ -231,12 +309,12 @@ def table(result: dict[str, Any], sizes: list[int]) -> str:
             rate = entry.get("median_gbps")
             base = rows["ray object store"][str(nbytes)].get("median_gbps")
             rdt = rows["ray RDT gloo"][str(nbytes)].get("median_gbps")
+            wire = rows[IPERF][str(nbytes)].get("median_gbps")
             if rate is None:
-                lines.append(f"| {name} | {nbytes // MIB} MiB | n/a ({entry.get('error')}) | | |")
+                lines.append(f"| {name} | {nbytes // MIB} MiB | n/a ({entry.get('error')}) |||")
                 continue
-            vs_store = f"{rate / base:.1f}x" if base else "n/a"
-            vs_rdt = f"{rate / rdt:.2f}x" if rdt else "n/a"
-            lines.append(f"| {name} | {nbytes // MIB} MiB | {rate:.2f} | {vs_store} | {vs_rdt} |")
+            ratios = [f"{rate / b:.2f}x" if b else "n/a" for b in (wire, base, rdt)]
+            lines.append(f"| {name} | {nbytes // MIB} MiB | {rate:.2f} | {' | '.join(ratios)} |")
     return "\n".join(lines)
 
 
@@ -248,11 +326,15 @@ def outer(args: argparse.Namespace) -> int:
     if reason:
         print(f"cannot run: {reason}", file=sys.stderr)
         return 2
+    if shutil.which("iperf3") is None:
+        print("cannot run: iperf3 is missing (apt-get install iperf3)", file=sys.stderr)
+        return 2
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     cluster = mn_harness.Cluster(object_store_bytes=max(sizes) * 4 + (256 << 20))
     log("starting two Ray nodes in namespaces rdA (10.77.0.1) and rdB (10.77.0.2)")
     cluster.start()
     try:
+        wire = iperf_rows(cluster, mn_harness, sizes, args.repeats)
         driver = cluster.start_driver(
             Path(__file__).resolve(),
             "--inner",
@@ -268,7 +350,10 @@ def outer(args: argparse.Namespace) -> int:
             print(driver.stderr_tail(4000), file=sys.stderr)
     finally:
         cluster.teardown()
+    result["rows"][IPERF] = wire["rows"]
+    result["iperf3_sustained"] = wire["sustained"]
     print(table(result, sizes))
+    print(f"\niperf3 sustained over the same veth: {wire['sustained']}")
     print(f"\nraydirect consumer received, by transport: {result['raydirect_received']}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2))
@@ -279,7 +364,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("address", nargs="?", help=argparse.SUPPRESS)
     parser.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--sizes", default="64MiB,512MiB")
+    parser.add_argument("--sizes", default="64MiB,512MiB,1GiB")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--timeout", type=float, default=1500.0, help="whole run, seconds")
     parser.add_argument("--json", help="also write the raw timings here")

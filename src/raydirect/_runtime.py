@@ -15,7 +15,7 @@ import logging
 import threading
 from typing import Any
 
-from raydirect import _process, _ray, _server, _wire
+from raydirect import _process, _ray, _server, _stream_server, _wire
 from raydirect._server import CONTROL, Reply, Server
 from raydirect._store import store
 from raydirect.transports.shm import sweep_dead_segments
@@ -36,6 +36,7 @@ def agent(label: str | None = None) -> Server:
                 _process.allow_memory_reads()
                 sweep_dead_segments()
                 _agent = Server(_ray.node_ip())
+                _stream_server.start(_ray.node_ip())
                 _announce(_agent, label)
                 if _ray.tls_enabled():
                     log.warning(

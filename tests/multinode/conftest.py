@@ -15,6 +15,7 @@ import pytest
 import mn_harness
 
 DRIVER = Path(__file__).with_name("mn_driver.py")
+FANOUT_DRIVER = Path(__file__).with_name("mn_fanout_driver.py")
 
 
 # One cluster per test module: two Ray nodes are heavy on 2 cores, and must be
@@ -31,6 +32,24 @@ def cluster() -> Iterator[mn_harness.Cluster]:
         nodes.teardown()
 
 
+@pytest.fixture(scope="module")
+def cluster3() -> Iterator[mn_harness.Cluster]:
+    """Three nodes (head, rdB, rdC) on one bridge, for the fan-out tests."""
+    reason = mn_harness.unavailable_reason()
+    if reason:
+        pytest.skip(f"multi-node tests skipped: {reason}")
+    nodes = mn_harness.Cluster(workers=2, num_cpus=2).start()
+    try:
+        yield nodes
+    finally:
+        nodes.teardown()
+
+
 @pytest.fixture(scope="session")
 def driver_script() -> Path:
     return DRIVER
+
+
+@pytest.fixture(scope="session")
+def fanout_script() -> Path:
+    return FANOUT_DRIVER

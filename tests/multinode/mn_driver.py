@@ -126,6 +126,10 @@ class Base:
     def stats(self) -> dict[str, int]:
         return received()
 
+    def held(self) -> int:
+        """raydirect objects this process holds as a producer (relays' copies too)."""
+        return rd.local_stats().num_objects
+
     def read_nested(self, refs: list, kind: str, transport: str | None = None) -> dict:
         """Read ``refs[0]`` here with rd.get; the counters' change shows the transport."""
         return read_and_check(refs[0], kind, transport)

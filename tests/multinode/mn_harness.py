@@ -1,13 +1,18 @@
-"""Two real Ray nodes on this machine, each in its own network namespace.
+"""Two or three real Ray nodes on this machine, each in its own network namespace.
 
 ::
 
-    namespace rdA  (head)                    namespace rdB  (worker)
-    rdveth 10.77.0.1/24  <---- veth pair ---->  rdveth 10.77.0.2/24
-    ray start --head                         ray start --address=10.77.0.1:6379
+    namespace rdA (head)        namespace rdB (worker)       namespace rdC (third node)
+    rdveth 10.77.0.1/24         rdveth 10.77.0.2/24          rdveth 10.77.0.3/24
+          |                           |                            |
+          +----- veth ----- bridge rdbr (namespace rdnet) ----- veth ----+
+    ray start --head            ray start --address=10.77.0.1:6379 (both workers)
     drivers run here (ip netns exec rdA)
 
-Both veth ends are called ``rdveth`` inside their namespace, so one
+Every node has its own link to the bridge, so the bytes a node sends and
+receives are counted on its own ``rdveth`` (``link_bytes``): a test can check
+that a fan-out crossed each link once. Every node's veth end is called ``rdveth``
+inside its namespace, so one
 ``GLOO_SOCKET_IFNAME=rdveth`` fits every worker (Ray's own RDT needs it; raydirect
 must not). Each node has its own ``--temp-dir`` and a custom resource (``nodeA`` /
 ``nodeB``) so actors can be placed on it. Ray 2.60 turns on token auth: every
@@ -40,15 +45,22 @@ from typing import Any
 
 from raydirect.transports import nixl
 
-NS_HEAD, NS_WORKER = "rdA", "rdB"
-ADDR_HEAD, ADDR_WORKER = "10.77.0.1", "10.77.0.2"
+NS_HEAD, NS_WORKER, NS_THIRD = "rdA", "rdB", "rdC"
+ADDR_HEAD, ADDR_WORKER, ADDR_THIRD = "10.77.0.1", "10.77.0.2", "10.77.0.3"
+NS_NET, BRIDGE = "rdnet", "rdbr"  # the switch every node's link plugs into
 # What ``auto`` picks between the two nodes (one venv runs both): nixl when it
 # is installed, else tcp (the test objects share no group).
 CROSS_NODE = "nixl" if nixl.installed() else "tcp"
 VETH = "rdveth"  # the name of the veth end inside each namespace
 GCS_PORT = 6379
 ADDRESS = f"{ADDR_HEAD}:{GCS_PORT}"
-RESOURCE_HEAD, RESOURCE_WORKER = "nodeA", "nodeB"
+RESOURCE_HEAD, RESOURCE_WORKER, RESOURCE_THIRD = "nodeA", "nodeB", "nodeC"
+# namespace, address, custom resource; the head first
+NODES = (
+    (NS_HEAD, ADDR_HEAD, RESOURCE_HEAD),
+    (NS_WORKER, ADDR_WORKER, RESOURCE_WORKER),
+    (NS_THIRD, ADDR_THIRD, RESOURCE_THIRD),
+)
 TMP_PREFIX = "raydirect-multinode-"
 OWNER_FILE = "owner.pid"
 MESSAGE_PREFIX = "@@RD "  # a driver's JSON messages on stdout start with this
@@ -56,6 +68,18 @@ MESSAGE_PREFIX = "@@RD "  # a driver's JSON messages on stdout start with this
 CMD_TIMEOUT_S = 30.0
 RAY_START_TIMEOUT_S = 120.0
 KILL_TIMEOUT_S = 20.0
+
+
+# How long a reader may take to learn that a node it reads from is gone.
+LOSS_BOUND_S = 60.0
+
+
+def is_producer_lost(error: dict) -> bool:
+    """A driver's ``describe``d error is raydirect.ProducerLostError itself, or Ray's
+    wrapper carrying its message."""
+    if error["is_producer_lost"] or error["type"] == "ProducerLostError":
+        return True
+    return "ProducerLostError" in error["message"] or "tensors are lost" in error["message"]
 
 
 class HarnessError(RuntimeError):
@@ -161,8 +185,9 @@ def delete_namespace(ns: str) -> list[int]:
 def cleanup_leftovers() -> None:
     """Remove what a crashed earlier run left: namespaces, processes, temp dirs."""
     killed: list[int] = []
-    for ns in (NS_HEAD, NS_WORKER):
+    for ns, _, _ in NODES:
         killed += delete_namespace(ns)
+    delete_namespace(NS_NET)
     remove_shm_segments_of(killed)
     for path in Path(tempfile.gettempdir()).glob(f"{TMP_PREFIX}*"):
         try:
@@ -250,10 +275,51 @@ class Driver:
             self.proc.stdout.close()
 
 
-class Cluster:
-    """Two Ray nodes in two network namespaces; ``start()`` then ``teardown()``."""
+def link_bytes(ns: str) -> dict[str, int]:
+    """Bytes received and sent so far on the node's link (its ``rdveth``)."""
+    out = _run(["ip", "-n", ns, "-s", "-j", "link", "show", VETH]).stdout
+    stats = json.loads(out)[0]["stats64"]
+    return {"rx": int(stats["rx"]["bytes"]), "tx": int(stats["tx"]["bytes"])}
 
-    def __init__(self, object_store_bytes: int = 1 << 30, num_cpus: int = 4) -> None:
+
+def throttle(ns: str, rate: str | None) -> None:
+    """Limit what the node sends to ``rate`` (tc's syntax, e.g. "400mbit"); None
+    removes the limit."""
+    _run(["ip", "netns", "exec", ns, "tc", "qdisc", "del", "dev", VETH, "root"], check=False)
+    if rate is not None:
+        _run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                VETH,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "256kb",
+                "latency",
+                "100ms",
+            ]
+        )
+
+
+class Cluster:
+    """The head and one or two worker nodes, each in its own network namespace on
+    one bridge; ``start()`` then ``teardown()``."""
+
+    def __init__(
+        self, object_store_bytes: int = 1 << 30, num_cpus: int = 4, workers: int = 1
+    ) -> None:
+        if not 1 <= workers < len(NODES):
+            raise ValueError(f"workers: 1 or {len(NODES) - 1}, not {workers}")
+        self.nodes = NODES[: 1 + workers]
         self.object_store_bytes = object_store_bytes
         self.num_cpus = num_cpus
         self.token = secrets.token_hex(32)
@@ -287,21 +353,31 @@ class Cluster:
         try:
             self._make_network()
             self._start_head()
-            self.start_worker()
+            for ns, _, _ in self.nodes[1:]:
+                self.start_worker(ns)
         except BaseException:
             self.teardown()
             raise
         return self
 
     def _make_network(self) -> None:
-        for ns in (NS_HEAD, NS_WORKER):
+        _run(["ip", "netns", "add", NS_NET])
+        _run(["ip", "-n", NS_NET, "link", "add", BRIDGE, "type", "bridge"])
+        _run(["ip", "-n", NS_NET, "link", "set", BRIDGE, "up"])
+        for i, (ns, addr, _) in enumerate(self.nodes):
             _run(["ip", "netns", "add", ns])
-        # Temporary names in the root namespace, renamed to VETH inside each one.
-        a, b = f"rdv{os.getpid() % 100000}a", f"rdv{os.getpid() % 100000}b"
-        _run(["ip", "link", "add", a, "type", "veth", "peer", "name", b])
-        for dev, ns, addr in ((a, NS_HEAD, ADDR_HEAD), (b, NS_WORKER, ADDR_WORKER)):
-            _run(["ip", "link", "set", dev, "netns", ns])
-            _run(self._in_ns(ns, ["ip", "link", "set", dev, "name", VETH]))
+            # Temporary names in the root namespace, renamed inside each namespace.
+            node_end, bridge_end = (
+                f"rdv{os.getpid() % 100000}n{i}",
+                f"rdv{os.getpid() % 100000}b{i}",
+            )
+            _run(["ip", "link", "add", node_end, "type", "veth", "peer", "name", bridge_end])
+            _run(["ip", "link", "set", bridge_end, "netns", NS_NET])
+            port = f"rdport{i}"
+            _run(["ip", "-n", NS_NET, "link", "set", bridge_end, "name", port])
+            _run(["ip", "-n", NS_NET, "link", "set", port, "master", BRIDGE, "up"])
+            _run(["ip", "link", "set", node_end, "netns", ns])
+            _run(self._in_ns(ns, ["ip", "link", "set", node_end, "name", VETH]))
             _run(self._in_ns(ns, ["ip", "addr", "add", f"{addr}/24", "dev", VETH]))
             _run(self._in_ns(ns, ["ip", "link", "set", VETH, "up"]))
             _run(self._in_ns(ns, ["ip", "link", "set", "lo", "up"]))
@@ -332,45 +408,46 @@ class Cluster:
             self.tmp / "head",
         )
 
-    def start_worker(self) -> None:
+    def start_worker(self, ns: str = NS_WORKER) -> None:
         assert self.tmp is not None
+        [(addr, resource)] = [(a, r) for n, a, r in self.nodes if n == ns and n != NS_HEAD]
         self._ray_start(
-            NS_WORKER,
+            ns,
             [
                 f"--address={self.address}",
-                f"--node-ip-address={ADDR_WORKER}",
-                f"--resources={json.dumps({RESOURCE_WORKER: 1})}",
+                f"--node-ip-address={addr}",
+                f"--resources={json.dumps({resource: 1})}",
             ],
-            self.tmp / f"worker{len(self.killed_worker_pids)}",
+            self.tmp / f"{ns}-{len(self.killed_worker_pids)}",
         )
 
-    def worker_alive(self) -> bool:
-        return bool(namespace_pids(NS_WORKER))
+    def worker_alive(self, ns: str = NS_WORKER) -> bool:
+        return bool(namespace_pids(ns))
 
-    def ensure_worker(self) -> None:
-        """Bring the worker node back (link up, ``ray start``) after a node-loss test."""
-        if not self.worker_alive():
-            self.restore_worker_link()
-            self.start_worker()
+    def ensure_worker(self, ns: str = NS_WORKER) -> None:
+        """Bring a worker node back (link up, ``ray start``) after a node-loss test."""
+        if not self.worker_alive(ns):
+            self.restore_worker_link(ns)
+            self.start_worker(ns)
 
-    def kill_worker_node(self) -> list[int]:
-        """SIGKILL every process of the worker node (the namespace stays)."""
-        killed = kill_namespace_processes(NS_WORKER)
+    def kill_worker_node(self, ns: str = NS_WORKER) -> list[int]:
+        """SIGKILL every process of a worker node (the namespace stays)."""
+        killed = kill_namespace_processes(ns)
         self.killed_worker_pids += killed
         return killed
 
-    def cut_worker_link(self) -> None:
-        """Take the worker's end of the veth pair down: packets to 10.77.0.2 go
-        nowhere (no connection refused), as when a machine vanishes."""
-        _run(self._in_ns(NS_WORKER, ["ip", "link", "set", VETH, "down"]))
+    def cut_worker_link(self, ns: str = NS_WORKER) -> None:
+        """Take the worker's link down: packets to its address go nowhere (no
+        connection refused), as when a machine vanishes."""
+        _run(self._in_ns(ns, ["ip", "link", "set", VETH, "down"]))
 
-    def restore_worker_link(self) -> None:
-        _run(self._in_ns(NS_WORKER, ["ip", "link", "set", VETH, "up"]))
+    def restore_worker_link(self, ns: str = NS_WORKER) -> None:
+        _run(self._in_ns(ns, ["ip", "link", "set", VETH, "up"]))
 
     def teardown(self) -> None:
         killed = list(self.killed_worker_pids)
         errors = []
-        for ns in (NS_WORKER, NS_HEAD):
+        for ns in [n for n, _, _ in reversed(NODES)] + [NS_NET]:
             try:
                 killed += delete_namespace(ns)
             except HarnessError as exc:

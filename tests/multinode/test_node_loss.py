@@ -7,15 +7,7 @@ import time
 import pytest
 
 import mn_harness
-
-LOSS_BOUND_S = 60.0
-
-
-def is_producer_lost(error: dict) -> bool:
-    """raydirect.ProducerLostError itself, or Ray's wrapper carrying its message."""
-    if error["is_producer_lost"] or error["type"] == "ProducerLostError":
-        return True
-    return "ProducerLostError" in error["message"] or "tensors are lost" in error["message"]
+from mn_harness import LOSS_BOUND_S, is_producer_lost
 
 
 @pytest.mark.parametrize("how", ["killed", "killed_and_unreachable"])

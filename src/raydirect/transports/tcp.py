@@ -1,23 +1,26 @@
-"""``tcp``: the producer's agent streams tensor bytes over ZeroMQ; works across nodes.
+"""``tcp``: the producer's agent sends tensor bytes over TCP; works across nodes.
 
-Bytes leave the producer's tensor memory zero-copy (ZeroMQ holds references to
-the tensor until sent); on the consumer, libzmq reads each message into its own
-buffer and ``recv_into`` copies it into the receive buffer: one copy besides
-the kernel's. The consumer's socket buffers only a few messages ahead of the
-reader (``RCVHWM``), so TCP back-pressure, not memory, absorbs a slow reader.
-Measured here: one 512 MiB frame moves at ~1.2 GB/s however it is received,
-16 MiB frames received into slices of a preallocated buffer at ~3.2 GB/s, so
-streams are cut into 16 MiB messages. Small objects travel inline in the reply
-header's message (one round trip, no per-chunk messages).
+The request goes over the agent's control channel (ZeroMQ, authenticated,
+capability checked). Objects of ``STREAM_MIN_BYTES`` or more are answered with
+a ticket, and their bytes move over plain TCP connections (``_stream_server``):
+from the producer's tensor memory into the consumer's receive buffer with the
+kernel's copy only, over one or more streams (``RAYDIRECT_TCP_STREAMS``).
+
+Smaller objects stay on the control channel, where a connection already exists:
+up to ``INLINE_MAX_BYTES`` inline in the reply, else 16 MiB ZeroMQ frames sent
+zero-copy and received into slices of the receive buffer (libzmq copies each
+frame once more; with ``RAYDIRECT_TCP_STREAMS=0`` every object goes this way).
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from raydirect._channel import channel
+from raydirect import _stream_client, _stream_server
+from raydirect._channel import Channel, channel
 from raydirect._ranges import Ranges
 from raydirect.errors import TransferError
 from raydirect.transports.base import ByteTransport, PeerMetadata
@@ -28,6 +31,12 @@ if TYPE_CHECKING:
 
 CHUNK_BYTES = 16 << 20
 INLINE_MAX_BYTES = 64 << 10
+# Below this a ticket's extra round trip (and perhaps a connection) costs more
+# than the control channel's extra copy.
+STREAM_MIN_BYTES = 4 << 20
+# After a stream breaks, how long the control channel gets to report the
+# producer's death (a ProducerLostError says more than a broken stream).
+_LOSS_GRACE_S = 2.0
 
 
 def chunks(view: memoryview, size: int = CHUNK_BYTES):
@@ -79,6 +88,11 @@ class TcpTransport(ByteTransport):
         if nbytes <= INLINE_MAX_BYTES:
             reply.send({"ok": True, "inline": True}, *[s.numpy().tobytes() for s in sources])
             return nbytes
+        streams = _stream_server.running()
+        if request.get("streams") and nbytes >= STREAM_MIN_BYTES and streams is not None:
+            ticket, _ = streams.issue([byte_view(s) for s in sources])
+            reply.send({"ok": True, "stream": {"port": streams.port, "ticket": ticket.hex()}})
+            return nbytes
         reply.send({"ok": True, "inline": False, "chunk": CHUNK_BYTES})
         for source in sources:
             for piece in chunks(byte_view(source)):
@@ -89,11 +103,16 @@ class TcpTransport(ByteTransport):
         self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
     ) -> None:
         who = link.who
-        asked = {} if ranges.whole else {"ranges": ranges.rows()}
+        asked: dict[str, Any] = {} if ranges.whole else {"ranges": ranges.rows()}
+        if _stream_client.enabled():
+            asked["streams"] = True
         with channel(link.producer.agent_address) as ch:
             header, frames = self.ask_producer(ch, obj_id, link, **asked)
             if header.get("inline"):
                 _copy_inline(frames, ranges.dests, who)
+                return
+            if isinstance(header.get("stream"), dict):
+                _receive_streams(ch, header["stream"], link, ranges.dests)
                 return
             chunk = header.get("chunk")
             if not isinstance(chunk, int) or chunk <= 0:
@@ -101,6 +120,36 @@ class TcpTransport(ByteTransport):
             for dest in ranges.dests:
                 for piece in chunks(byte_view(dest), chunk):
                     ch.recv_into(piece, link.deadline, who)
+
+
+def _receive_streams(
+    ch: Channel, offer: dict[str, Any], link: PeerMetadata, dests: list[torch.Tensor]
+) -> None:
+    who = link.who
+    try:
+        address = (ch.address.rpartition("//")[2].rpartition(":")[0], int(offer["port"]))
+        ticket = bytes.fromhex(offer["ticket"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise TransferError(f"corrupt reply from {who}: bad stream offer {offer!r}") from exc
+    try:
+        _stream_client.receive(
+            address,
+            ticket,
+            [byte_view(d) for d in dests],
+            link.deadline,
+            lambda: ch.check_peer(who),
+        )
+    except TimeoutError:
+        raise
+    except OSError as exc:
+        until = time.monotonic() + _LOSS_GRACE_S
+        while time.monotonic() < until:  # ProducerLostError if that is what happened
+            ch.check_peer(who)
+            time.sleep(0.05)
+        raise TransferError(
+            f"the tcp stream from {who} broke midway ({exc}); the producer still answers: "
+            "read it again"
+        ) from exc
 
 
 def _copy_inline(frames: list[Any], targets: list[torch.Tensor], who: str) -> None:

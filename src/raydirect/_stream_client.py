@@ -1,0 +1,247 @@
+"""The consumer's side of bulk streams (see ``_stream_server`` for the protocol).
+
+A transfer is cut into one window per stream; each window is received by
+``recv_into`` straight into the destination's memory, so the kernel's copy is
+the only one. The calling thread receives the first window and watches the
+producer (through its control channel, which only that thread may touch); the
+others run on a shared pool. The first failure closes every socket of the
+transfer, so no thread outlives it. Idle connections are pooled per producer.
+
+How many streams (``streams_for``): ``RAYDIRECT_TCP_STREAMS`` when set (0 turns
+bulk streams off: every byte then travels over the control channel's ZeroMQ
+socket, one port per agent); otherwise one per ``BYTES_PER_STREAM`` of the
+transfer, at most one per core and ``MAX_AUTO_STREAMS``. One stream's receive
+costs a core (the kernel's copy into user memory), which is why more streams
+than cores gain nothing; on a NIC that one TCP stream cannot fill (100-400
+Gbit), set it to the cores you can spare.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from raydirect._stream_server import HEADER, MAGIC, OK, window
+from raydirect.errors import TransferError
+
+BYTES_PER_STREAM = 32 << 20
+MAX_AUTO_STREAMS = 4
+_MAX_STREAMS = 64
+_POLL_S = 0.2
+_RECV_BYTES = 16 << 20  # per recv_into call: bounded time between checks
+_CONNECT_TIMEOUT_S = 5.0
+_IDLE_PER_PRODUCER = 8
+ENV_STREAMS = "RAYDIRECT_TCP_STREAMS"
+
+
+def configured_streams() -> int | None:
+    """``RAYDIRECT_TCP_STREAMS`` as a number (None when unset); a bad value raises."""
+    raw = os.environ.get(ENV_STREAMS, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= _MAX_STREAMS:
+        raise ValueError(
+            f"{ENV_STREAMS}={raw!r}: expected a whole number from 0 (bulk streams off) "
+            f"to {_MAX_STREAMS}, or unset it to choose by size"
+        )
+    return value
+
+
+def enabled() -> bool:
+    return configured_streams() != 0
+
+
+def streams_for(nbytes: int) -> int:
+    configured = configured_streams()
+    if configured:
+        return configured
+    cores = os.cpu_count() or 1
+    return max(1, min(nbytes // BYTES_PER_STREAM, cores, MAX_AUTO_STREAMS))
+
+
+class _Pool:
+    """Idle connections per producer stream address, any thread."""
+
+    def __init__(self) -> None:
+        self._idle: dict[tuple[str, int], list[socket.socket]] = defaultdict(list)
+        self._lock = threading.Lock()
+
+    def take(self, address: tuple[str, int]) -> socket.socket | None:
+        with self._lock:
+            idle = self._idle.get(address)
+            return idle.pop() if idle else None
+
+    def give(self, address: tuple[str, int], conn: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle[address]
+            if len(idle) < _IDLE_PER_PRODUCER:
+                idle.append(conn)
+                return
+        conn.close()
+
+
+_pool = _Pool()
+_workers: ThreadPoolExecutor | None = None
+_workers_lock = threading.Lock()
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _workers
+    with _workers_lock:
+        if _workers is None:
+            _workers = ThreadPoolExecutor(_MAX_STREAMS, thread_name_prefix="raydirect-stream")
+        return _workers
+
+
+class _Transfer:
+    """One transfer's windows, sockets and failure, shared by its threads."""
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        ticket: bytes,
+        deadline: float | None,
+        watch: Callable[[], None],
+    ) -> None:
+        self.address = address
+        self.ticket = ticket
+        self.deadline = deadline
+        self._watch = watch
+        self._owner = threading.get_ident()
+        self.failed = threading.Event()
+        self._sockets: set[socket.socket] = set()
+        self._lock = threading.Lock()
+
+    def abort(self) -> None:
+        self.failed.set()
+        with self._lock:
+            for conn in self._sockets:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+
+    def _connect(self) -> tuple[socket.socket, bool]:
+        """A connection (pooled or new) and whether it came from the pool."""
+        conn = _pool.take(self.address)
+        if conn is not None:
+            return conn, True
+        conn = socket.create_connection(self.address, timeout=_CONNECT_TIMEOUT_S)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn, False
+
+    def _open_window(self, offset: int, length: int) -> socket.socket:
+        """A connection that accepted the window's request and is about to send it."""
+        for _attempt in range(2):  # a pooled connection may have been closed as idle
+            conn, pooled = self._connect()
+            with self._lock:
+                self._sockets.add(conn)
+            try:
+                conn.settimeout(_POLL_S)
+                conn.sendall(HEADER.pack(MAGIC, self.ticket, offset, length))
+                status = self._recv_status(conn)
+            except (ConnectionError, EOFError):
+                self._drop(conn)
+                if pooled:
+                    continue
+                raise
+            if status != OK:
+                self._drop(conn)
+                raise TransferError(
+                    "the producer's stream server refused the transfer (status "
+                    f"{status}): its ticket expired or was already used; read it again"
+                )
+            return conn
+        raise ConnectionError("no connection to the producer's stream port")
+
+    def _recv_status(self, conn: socket.socket) -> int:
+        while True:
+            try:
+                data = conn.recv(1)
+            except TimeoutError:
+                self._check()
+                continue
+            if not data:
+                raise EOFError("the stream closed before its status")
+            return data[0]
+
+    def _drop(self, conn: socket.socket) -> None:
+        with self._lock:
+            self._sockets.discard(conn)
+        conn.close()
+
+    def _check(self) -> None:
+        if threading.get_ident() == self._owner:
+            self._watch()
+        if self.failed.is_set():
+            raise TransferError("another stream of this transfer failed")
+        if self.deadline is not None and time.monotonic() > self.deadline:
+            raise TimeoutError("the stream did not finish before the deadline")
+
+    def receive(self, dests: list[memoryview], offset: int, length: int) -> None:
+        """Receive bytes ``[offset, offset + length)`` of the transfer into ``dests``'
+        concatenation at the same offsets."""
+        conn = self._open_window(offset, length)
+        try:
+            for piece in window(dests, offset, length):
+                self._fill(conn, piece)
+        except BaseException:
+            self._drop(conn)
+            raise
+        with self._lock:
+            self._sockets.discard(conn)
+        _pool.give(self.address, conn)
+
+    def _fill(self, conn: socket.socket, piece: memoryview) -> None:
+        while len(piece):
+            try:
+                got = conn.recv_into(piece, min(len(piece), _RECV_BYTES))
+            except TimeoutError:
+                self._check()
+                continue
+            if got == 0:
+                self._check()
+                raise ConnectionError("the producer closed the stream midway")
+            piece = piece[got:]
+
+
+def receive(
+    address: tuple[str, int],
+    ticket: bytes,
+    dests: list[memoryview],
+    deadline: float | None,
+    watch: Callable[[], None],
+) -> None:
+    """Receive a ticket's bytes into ``dests`` over ``streams_for`` connections.
+    ``watch`` raises if the producer is gone (called on this thread only)."""
+    nbytes = sum(len(d) for d in dests)
+    streams = min(streams_for(nbytes), max(1, nbytes >> 20))
+    edges = [nbytes * i // streams for i in range(streams + 1)]
+    transfer = _Transfer(address, ticket, deadline, watch)
+    others: list[Future[None]] = [
+        _executor().submit(transfer.receive, dests, edges[i], edges[i + 1] - edges[i])
+        for i in range(1, streams)
+    ]
+    try:
+        transfer.receive(dests, 0, edges[1])
+        for future in others:
+            while True:
+                try:
+                    future.result(timeout=_POLL_S)
+                    break
+                except TimeoutError:
+                    transfer._check()
+    except BaseException:
+        transfer.abort()
+        for future in others:  # every socket is shut: they end at once
+            with contextlib.suppress(BaseException):
+                future.result(timeout=_CONNECT_TIMEOUT_S + 1)
+        raise
