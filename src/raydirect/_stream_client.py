@@ -23,7 +23,7 @@ import os
 import socket
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -38,6 +38,15 @@ _RECV_BYTES = 16 << 20  # per recv_into call: bounded time between checks
 _CONNECT_TIMEOUT_S = 5.0
 _IDLE_PER_PRODUCER = 8
 ENV_STREAMS = "RAYDIRECT_TCP_STREAMS"
+
+# What this process received over streams: transfers, windows, connections opened.
+counters: Counter[str] = Counter()
+_counters_lock = threading.Lock()
+
+
+def _count(key: str) -> None:
+    with _counters_lock:
+        counters[key] += 1
 
 
 def configured_streams() -> int | None:
@@ -135,6 +144,7 @@ class _Transfer:
         if conn is not None:
             return conn, True
         conn = socket.create_connection(self.address, timeout=_CONNECT_TIMEOUT_S)
+        _count("connections")
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return conn, False
 
@@ -198,6 +208,7 @@ class _Transfer:
             raise
         with self._lock:
             self._sockets.discard(conn)
+        _count("windows")
         _pool.give(self.address, conn)
 
     def _fill(self, conn: socket.socket, piece: memoryview) -> None:
@@ -226,6 +237,7 @@ def receive(
     streams = min(streams_for(nbytes), max(1, nbytes >> 20))
     edges = [nbytes * i // streams for i in range(streams + 1)]
     transfer = _Transfer(address, ticket, deadline, watch)
+    _count("transfers")
     others: list[Future[None]] = [
         _executor().submit(transfer.receive, dests, edges[i], edges[i + 1] - edges[i])
         for i in range(1, streams)

@@ -17,7 +17,8 @@ dictionary lookup before the connection is closed; nothing is decoded.
 
 A ticket ends when all its bytes were sent or after ``TICKET_TTL_S`` (a consumer
 that died midway). Connections are bounded (``MAX_CONNECTIONS``) and an idle one
-is closed after ``IDLE_TIMEOUT_S``.
+that never named a live ticket is closed after ``FIRST_REQUEST_TIMEOUT_S``, an
+idle one after ``IDLE_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ MAGIC = b"RDS1"
 HEADER = struct.Struct("<4s16sQQ")  # magic, ticket, offset, length
 OK, UNKNOWN_TICKET, BAD_WINDOW = 0, 1, 2
 TICKET_TTL_S = 300.0
+# A new connection must name a live ticket this soon; one that has been served
+# may then wait for its consumer's next transfer (consumers pool connections).
+FIRST_REQUEST_TIMEOUT_S = 5.0
 IDLE_TIMEOUT_S = 60.0
-MAX_CONNECTIONS = 64
+MAX_CONNECTIONS = 256
 _SEND_TIMEOUT_S = 60.0  # a consumer that stops reading for this long is dropped
 
 
@@ -118,8 +122,9 @@ class StreamServer:
     def _serve_connection(self, conn: socket.socket) -> None:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while self._serve_window(conn):
-                pass
+            wait = FIRST_REQUEST_TIMEOUT_S
+            while self._serve_window(conn, wait):
+                wait = IDLE_TIMEOUT_S
         except OSError:
             pass  # the consumer went away or sent a short header: nothing to answer
         except Exception:
@@ -129,9 +134,10 @@ class StreamServer:
             with self._lock:
                 self._open -= 1
 
-    def _serve_window(self, conn: socket.socket) -> bool:
-        """Serve one request on ``conn``; False when the connection should close."""
-        conn.settimeout(IDLE_TIMEOUT_S)
+    def _serve_window(self, conn: socket.socket, wait: float) -> bool:
+        """Serve one request on ``conn`` (arriving within ``wait`` seconds); False
+        when the connection should close."""
+        conn.settimeout(wait)
         header = _recv_exactly(conn, HEADER.size)
         if header is None:
             return False

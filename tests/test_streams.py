@@ -1,0 +1,134 @@
+"""Bulk streams of the ``tcp`` transport (``_stream_server`` / ``_stream_client``),
+on one real Ray: the driver reads large objects over ``tcp`` from a producer actor."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+
+import pytest
+import ray
+import torch
+
+import raydirect as rd
+from raydirect import _ray, _stream_client, _stream_server
+from raydirect.transports.tcp import STREAM_MIN_BYTES
+
+SIZE = 24 << 20  # over STREAM_MIN_BYTES, and not a multiple of any stream count used
+
+
+def expected(nbytes: int, fill: int) -> torch.Tensor:
+    """What actors.Producer.big makes: every 4096th byte i % 251, the rest ``fill``."""
+    want = torch.full((nbytes,), fill, dtype=torch.uint8)
+    marks = torch.arange(0, nbytes, 4096)
+    want[marks] = (torch.arange(marks.numel()) % 251).to(torch.uint8)
+    return want
+
+
+def stream_port(producer) -> int:
+    return ray.get(_ray.run_in_actor(producer, lambda _self: _stream_server.running().port))
+
+
+def pending_tickets(producer, timeout: float = 10.0) -> int:
+    """Tickets the producer still holds, once they are 0 or at the deadline (the
+    server's bookkeeping runs just after its last byte was handed to the kernel)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        n = ray.get(_ray.run_in_actor(producer, lambda _self: _stream_server.running().pending()))
+        if n == 0 or time.monotonic() > deadline:
+            return n
+        time.sleep(0.05)
+
+
+def read(producer, nbytes: int, fill: int) -> tuple[torch.Tensor, dict[str, int]]:
+    before = dict(_stream_client.counters)
+    got = rd.get(producer.big.remote(nbytes, fill), timeout=120, tensor_transport="tcp")
+    after = _stream_client.counters
+    return got, {k: after[k] - before.get(k, 0) for k in ("transfers", "windows")}
+
+
+@pytest.mark.parametrize("streams", [None, "1", "3"])
+def test_a_large_tcp_read_arrives_exactly_over_the_streams_asked(pair, monkeypatch, streams):
+    p, _ = pair
+    if streams is None:
+        monkeypatch.delenv(_stream_client.ENV_STREAMS, raising=False)
+    else:
+        monkeypatch.setenv(_stream_client.ENV_STREAMS, streams)
+    want_windows = int(streams) if streams else _stream_client.streams_for(SIZE)
+    got, moved = read(p, SIZE, fill=5)
+    assert torch.equal(got, expected(SIZE, 5))
+    assert moved == {"transfers": 1, "windows": want_windows}
+    # Every ticket was used up: the producer keeps no bytes for this transfer.
+    assert pending_tickets(p) == 0
+
+
+def test_streams_off_and_small_objects_use_the_control_channel(pair, monkeypatch):
+    p, _ = pair
+    monkeypatch.setenv(_stream_client.ENV_STREAMS, "0")
+    got, moved = read(p, SIZE, fill=6)
+    assert torch.equal(got, expected(SIZE, 6))
+    assert moved == {"transfers": 0, "windows": 0}
+    monkeypatch.delenv(_stream_client.ENV_STREAMS)
+    small = STREAM_MIN_BYTES // 2
+    got, moved = read(p, small, fill=7)
+    assert torch.equal(got, expected(small, 7))
+    assert moved == {"transfers": 0, "windows": 0}
+
+
+def test_connections_are_reused_between_transfers(pair, monkeypatch):
+    p, _ = pair
+    monkeypatch.setenv(_stream_client.ENV_STREAMS, "2")
+    read(p, SIZE, fill=1)  # leaves two idle connections in the pool
+    opened = _stream_client.counters["connections"]
+    for fill in (2, 3):
+        got, _ = read(p, SIZE, fill=fill)
+        assert torch.equal(got[1:4096], expected(4096, fill)[1:])
+    assert _stream_client.counters["connections"] == opened
+
+
+@pytest.mark.parametrize("value", ["two", "-1", "65"])
+def test_a_bad_stream_count_is_refused_with_the_fix(pair, monkeypatch, value):
+    p, _ = pair
+    monkeypatch.setenv(_stream_client.ENV_STREAMS, value)
+    with pytest.raises(Exception, match="RAYDIRECT_TCP_STREAMS") as info:
+        rd.get(p.big.remote(SIZE, 1), timeout=60, tensor_transport="tcp")
+    assert "from 0" in str(info.value) and "unset it" in str(info.value)
+
+
+def test_junk_on_the_stream_port_is_dropped_and_serving_goes_on(pair):
+    """Wrong magic, unknown tickets, garbage and silent connections: each is closed
+    without an answer worth anything; then a real transfer still arrives exactly."""
+    p, _ = pair
+    port = stream_port(p)
+    host = ray.get(_ray.run_in_actor(p, lambda _self: _ray.node_ip()))
+    header = struct.Struct("<4s16sQQ")
+    attempts = [
+        header.pack(b"XXXX", bytes(16), 0, 1),
+        header.pack(b"RDS1", bytes(16), 0, 1 << 40),
+        bytes(range(256)) * 64,
+    ]
+    for junk in attempts:
+        with socket.create_connection((host, port), timeout=10) as conn:
+            conn.sendall(junk)
+            assert answers(conn) in ([], [_stream_server.UNKNOWN_TICKET])
+    silent = [socket.create_connection((host, port), timeout=10) for _ in range(20)]
+    got, moved = read(p, SIZE, fill=9)
+    assert torch.equal(got, expected(SIZE, 9)) and moved["transfers"] == 1
+    deadline = time.monotonic() + _stream_server.FIRST_REQUEST_TIMEOUT_S + 20
+    for conn in silent:  # a connection that names no ticket is closed by the server
+        conn.settimeout(max(0.1, deadline - time.monotonic()))
+        assert answers(conn) == []
+        conn.close()
+
+
+def answers(conn: socket.socket) -> list[int]:
+    """The bytes the server sends before hanging up (a reset counts as hanging up);
+    a server that keeps the connection open fails the test by the socket's timeout."""
+    got = b""
+    try:
+        while chunk := conn.recv(16):
+            got += chunk
+    except ConnectionResetError:
+        pass
+    return list(got)
