@@ -26,6 +26,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 
 from raydirect._stream_server import HEADER, MAGIC, OK, window
 from raydirect.errors import TransferError
@@ -90,6 +91,14 @@ class _Pool:
             idle = self._idle.get(address)
             return idle.pop() if idle else None
 
+    def close_idle(self) -> int:
+        with self._lock:
+            idle = [conn for conns in self._idle.values() for conn in conns]
+            self._idle.clear()
+        for conn in idle:
+            conn.close()
+        return len(idle)
+
     def give(self, address: tuple[str, int], conn: socket.socket) -> None:
         with self._lock:
             idle = self._idle[address]
@@ -100,6 +109,14 @@ class _Pool:
 
 
 _pool = _Pool()
+
+
+def close_idle() -> int:
+    """Close this process's idle stream connections (the next read opens new ones);
+    returns how many were open."""
+    return _pool.close_idle()
+
+
 _workers: ThreadPoolExecutor | None = None
 _workers_lock = threading.Lock()
 
@@ -113,7 +130,14 @@ def _executor() -> ThreadPoolExecutor:
 
 
 class _Transfer:
-    """One transfer's windows, sockets and failure, shared by its threads."""
+    """One transfer's windows, sockets and first failure, shared by its threads.
+
+    Sockets in use are in ``_sockets`` until returned to the pool; ``close`` shuts
+    what is left, so no path leaks one. Window threads never raise: they record
+    the first failure, which the calling thread raises without keeping it in a
+    frame (an exception held by a local of a frame in its own traceback is a
+    cycle that keeps the caller's ObjectRefs alive until the garbage collector
+    runs, and with them the producer's copy)."""
 
     def __init__(
         self,
@@ -127,44 +151,70 @@ class _Transfer:
         self.deadline = deadline
         self._watch = watch
         self._owner = threading.get_ident()
-        self.failed = threading.Event()
+        self._failure: BaseException | None = None
         self._sockets: set[socket.socket] = set()
         self._lock = threading.Lock()
+        self._closed = False
 
-    def abort(self) -> None:
-        self.failed.set()
+    def fail(self, exc: BaseException) -> None:
+        """Record the first failure and shut every socket, so the other windows end."""
         with self._lock:
+            if self._failure is None:
+                self._failure = exc
+            self._closed = True
             for conn in self._sockets:
                 with contextlib.suppress(OSError):
                     conn.shutdown(socket.SHUT_RDWR)
 
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            left, self._sockets = self._sockets, set()
+        for conn in left:
+            conn.close()
+
+    def raise_failure(self) -> None:
+        with self._lock:
+            exc, self._failure = self._failure, None
+        if exc is not None:
+            try:
+                raise exc
+            finally:
+                exc = None
+
+    def _track(self, conn: socket.socket) -> None:
+        with self._lock:
+            if not self._closed:
+                self._sockets.add(conn)
+                return
+        conn.close()
+        raise TransferError("another stream of this transfer failed")
+
     def _connect(self) -> tuple[socket.socket, bool]:
         """A connection (pooled or new) and whether it came from the pool."""
         conn = _pool.take(self.address)
-        if conn is not None:
-            return conn, True
-        conn = socket.create_connection(self.address, timeout=_CONNECT_TIMEOUT_S)
-        _count("connections")
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return conn, False
+        pooled = conn is not None
+        if conn is None:
+            conn = socket.create_connection(self.address, timeout=_CONNECT_TIMEOUT_S)
+            _count("connections")
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._track(conn)
+        return conn, pooled
 
     def _open_window(self, offset: int, length: int) -> socket.socket:
         """A connection that accepted the window's request and is about to send it."""
         for _attempt in range(2):  # a pooled connection may have been closed as idle
             conn, pooled = self._connect()
-            with self._lock:
-                self._sockets.add(conn)
             try:
                 conn.settimeout(_POLL_S)
                 conn.sendall(HEADER.pack(MAGIC, self.ticket, offset, length))
                 status = self._recv_status(conn)
             except (ConnectionError, EOFError):
-                self._drop(conn)
                 if pooled:
+                    self._drop(conn)
                     continue
                 raise
             if status != OK:
-                self._drop(conn)
                 raise TransferError(
                     "the producer's stream server refused the transfer (status "
                     f"{status}): its ticket expired or was already used; read it again"
@@ -191,21 +241,21 @@ class _Transfer:
     def _check(self) -> None:
         if threading.get_ident() == self._owner:
             self._watch()
-        if self.failed.is_set():
+        if self._closed:
             raise TransferError("another stream of this transfer failed")
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise TimeoutError("the stream did not finish before the deadline")
 
     def receive(self, dests: list[memoryview], offset: int, length: int) -> None:
         """Receive bytes ``[offset, offset + length)`` of the transfer into ``dests``'
-        concatenation at the same offsets."""
-        conn = self._open_window(offset, length)
+        concatenation at the same offsets; a failure is recorded, never raised."""
         try:
+            conn = self._open_window(offset, length)
             for piece in window(dests, offset, length):
                 self._fill(conn, piece)
-        except BaseException:
-            self._drop(conn)
-            raise
+        except BaseException as exc:
+            self.fail(exc)
+            return
         with self._lock:
             self._sockets.discard(conn)
         _count("windows")
@@ -223,6 +273,18 @@ class _Transfer:
                 raise ConnectionError("the producer closed the stream midway")
             piece = piece[got:]
 
+    def wait(self, others: list[Future[None]]) -> None:
+        """Until the other windows end, watching the producer from this thread."""
+        for future in others:
+            while not future.done():
+                try:
+                    self._check()
+                except BaseException as exc:
+                    self.fail(exc)
+                    break
+                futures_wait([future], timeout=_POLL_S)
+        futures_wait(others)  # each ends at once after fail() shut its socket
+
 
 def receive(
     address: tuple[str, int],
@@ -238,22 +300,13 @@ def receive(
     edges = [nbytes * i // streams for i in range(streams + 1)]
     transfer = _Transfer(address, ticket, deadline, watch)
     _count("transfers")
-    others: list[Future[None]] = [
+    others = [
         _executor().submit(transfer.receive, dests, edges[i], edges[i + 1] - edges[i])
         for i in range(1, streams)
     ]
     try:
         transfer.receive(dests, 0, edges[1])
-        for future in others:
-            while True:
-                try:
-                    future.result(timeout=_POLL_S)
-                    break
-                except TimeoutError:
-                    transfer._check()
-    except BaseException:
-        transfer.abort()
-        for future in others:  # every socket is shut: they end at once
-            with contextlib.suppress(BaseException):
-                future.result(timeout=_CONNECT_TIMEOUT_S + 1)
-        raise
+        transfer.wait(others)
+    finally:
+        transfer.close()
+    transfer.raise_failure()

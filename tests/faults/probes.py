@@ -198,6 +198,25 @@ def _summary(value: Any) -> Any:
     return type(value).__name__
 
 
+def stream_port(actor: Any) -> int:
+    """The port of the actor's stream server (where large ``tcp`` reads move)."""
+    return ray.get(
+        actor.__ray_call__.remote(
+            lambda self: __import__("raydirect._runtime", fromlist=["agent"]).agent()
+            and __import__("raydirect._stream_server", fromlist=["running"]).running().port
+        )
+    )
+
+
+def close_idle_streams(actor: Any) -> int:
+    """Close the actor's pooled stream connections (so fd counts can settle)."""
+    return ray.get(
+        actor.__ray_call__.remote(
+            lambda self: __import__("raydirect._stream_client", fromlist=["x"]).close_idle()
+        )
+    )
+
+
 def agent_port(actor: Any) -> int:
     address = ray.get(
         actor.__ray_call__.remote(

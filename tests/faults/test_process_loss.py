@@ -22,8 +22,8 @@ import ray
 from probes import (
     DETECT_BOUND_S,
     Reader,
-    agent_port,
     can_kill_connections,
+    close_idle_streams,
     fd_baseline,
     fds_back,
     kill,
@@ -34,6 +34,7 @@ from probes import (
     shm_back,
     stopped,
     store_empty,
+    stream_port,
     wait_for_bytes,
 )
 
@@ -188,14 +189,14 @@ def test_consumer_killed_during_a_large_transfer(reader, transport):
 
 
 @pytest.mark.timeout(300)
-def test_agent_connection_closed_during_a_tcp_stream(reader):
+def test_stream_connection_closed_during_a_tcp_read(reader):
     reason = can_kill_connections()
     if reason:
         pytest.skip(reason)
     r, r_pid = reader
     p = Producer.remote()
     p_pid = ray.get(p.pid.remote())
-    port = agent_port(p)
+    port = stream_port(p)  # large tcp reads move over the stream port
     warm(p, r, "tcp")
     baseline = fd_baseline(r_pid, p_pid)
 
@@ -207,7 +208,7 @@ def test_agent_connection_closed_during_a_tcp_stream(reader):
         stop.__exit__(None, None, None)
     result = ray.get(pending, timeout=300)
     seconds = time.monotonic() - t0
-    report("agent_connection_closed_tcp", seconds)
+    report("stream_connection_closed_tcp", seconds)
 
     # Not a lost producer: the object is intact and a new read gets all of it.
     assert not result["ok"] and result["type"] == "TransferError", result
@@ -215,6 +216,7 @@ def test_agent_connection_closed_during_a_tcp_stream(reader):
     assert seconds < DETECT_BOUND_S
     again = ray.get(r.read.remote([big], "tcp", 120), timeout=300)
     assert again["ok"] and again["summary"] == [[BIG, 7]], again
+    close_idle_streams(r)  # the new read's pooled connections: closed, so fds settle
     ray.get(r.drop.remote())
     del big
     settle(store_empty(p))

@@ -226,8 +226,9 @@ class Driver:
             + f"\n--- stderr (tail) ---\n{self.stderr_tail()}"
         )
 
-    def expect(self, event: str, timeout: float) -> dict[str, Any]:
-        """The next message with ``event``; skips other output."""
+    def expect(self, event: str | tuple[str, ...], timeout: float) -> dict[str, Any]:
+        """The next message with ``event`` (or one of several); skips other output."""
+        events = (event,) if isinstance(event, str) else event
         deadline = time.monotonic() + timeout
         assert self.proc.stdout is not None
         while True:
@@ -237,7 +238,7 @@ class Driver:
                 self.output.append(text)
                 if text.startswith(MESSAGE_PREFIX):
                     message = json.loads(text[len(MESSAGE_PREFIX) :])
-                    if message.get("event") == event:
+                    if message.get("event") in events:
                         return message
                     if message.get("event") == "crash":
                         raise self._fail(f"crashed: {message.get('error')}")

@@ -147,8 +147,8 @@ def _receive_streams(
             ch.check_peer(who)
             time.sleep(0.05)
         raise TransferError(
-            f"the tcp stream from {who} broke midway ({exc}); the producer still answers: "
-            "read it again"
+            f"the tcp stream from {who} broke during the transfer ({exc}); the producer is "
+            "alive and still holds the object: read it again"
         ) from exc
 
 
