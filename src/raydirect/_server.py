@@ -16,26 +16,30 @@ Handlers run on worker threads, in one of two lanes: ``DATA`` for ops that may
 take long (streaming an object, waiting for background preparation), and
 ``CONTROL`` for short ones (notices, group ops, stats), so slow consumers never
 hold up the rest. Replies reach the ROUTER socket through an inproc queue
-because a ZeroMQ socket belongs to one thread.
+because a ZeroMQ socket belongs to one thread. What reaches a lane at all is
+decided first, on the loop thread, without decoding (``_admission``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import json
 import logging
+import queue
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
 from raydirect import _wire
+from raydirect._admission import REFUSALS_PER_S, Admission, RateLimitedLog, TokenBucket
 from raydirect._store import StoredObject, store
 
 log = logging.getLogger("raydirect")
+_log = RateLimitedLog()  # what peers can trigger at will is logged at a bounded rate
 
 DATA = "data"
 CONTROL = "control"
@@ -43,6 +47,8 @@ _LANE_THREADS = {DATA: 4, CONTROL: 2}
 # Requests are small JSON; a peer sending more is not a raydirect process and
 # is disconnected by ZeroMQ before the agent buffers it.
 MAX_REQUEST_BYTES = 1 << 20
+_RCVHWM = 1000
+_BATCH = 256  # messages handled per turn of the loop, each way
 
 
 class Reply:
@@ -71,6 +77,29 @@ class Reply:
     def send_frame(self, frame: Any) -> None:
         """One message of raw bytes, zero-copy: a chunk of a stream."""
         self._socket().send_multipart([self._identity, frame], copy=False)
+
+
+class _Lane:
+    """Worker threads started up front (a fixed set: the agent's thread count does
+    not depend on what peers send), fed by a queue that admission bounds."""
+
+    def __init__(self, name: str, threads: int) -> None:
+        self._queue: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = (
+            queue.SimpleQueue()
+        )
+        for i in range(threads):
+            threading.Thread(target=self._work, name=f"raydirect-{name}-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self._queue.put((fn, args))
+
+    def _work(self) -> None:
+        while True:
+            fn, args = self._queue.get()
+            try:
+                fn(*args)
+            except Exception:  # a handler's own errors are answered inside it
+                log.exception("raydirect agent: a worker's task failed; still serving")
 
 
 @dataclass(frozen=True)
@@ -105,7 +134,9 @@ class Server:
         self._router = ctx.socket(zmq.ROUTER)
         for opt, value in (
             (zmq.SNDHWM, 0),
-            (zmq.RCVHWM, 0),
+            # Per connection: a peer that sends faster than the agent reads is held
+            # back by TCP, instead of queueing in the agent's memory.
+            (zmq.RCVHWM, _RCVHWM),
             (zmq.ROUTER_MANDATORY, 1),
             # A consumer that reconnects keeps its routing id: replies follow it.
             (zmq.ROUTER_HANDOVER, 1),
@@ -119,11 +150,10 @@ class Server:
         self._outbox = ctx.socket(zmq.PULL)
         self._outbox.setsockopt(zmq.RCVHWM, 0)
         self._outbox.bind(self._outbox_address)
-        self._lanes = {
-            lane: ThreadPoolExecutor(n, thread_name_prefix=f"raydirect-{lane}")
-            for lane, n in _LANE_THREADS.items()
-        }
+        self._lanes = {lane: _Lane(lane, n) for lane, n in _LANE_THREADS.items()}
         self._worker_local = threading.local()
+        self.admission = Admission(tuple(_LANE_THREADS))
+        self._refusals = TokenBucket(REFUSALS_PER_S)
         self._thread = threading.Thread(target=self._loop, name="raydirect-agent", daemon=True)
         self._thread.start()
 
@@ -143,7 +173,7 @@ class Server:
                 log.exception("raydirect agent: unexpected error; still serving")
 
     def _forward_replies(self) -> None:
-        while True:
+        for _ in range(_BATCH):
             try:
                 parts = self._outbox.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
@@ -154,16 +184,67 @@ class Server:
                 log.debug("raydirect agent: reply dropped: %s", exc)
 
     def _dispatch_requests(self) -> None:
-        while True:
+        # A bounded batch, then back to the poll: replies must go out under a flood.
+        for _ in range(_BATCH):
             try:
                 parts = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            if len(parts) < 2:  # a single-frame message: malformed
+            if len(parts) != 2:  # requests are one frame after the identity
+                self.admission.note("malformed")
                 continue
-            handler = _handlers.get(_peek_op(parts[1]))
+            identity, frame = parts[0].bytes, parts[1]
+            data = frame.bytes
+            fragment = _wire.auth_fragment()
+            if fragment is not None and fragment not in data:
+                self._refuse_unauthenticated(identity, data, frame)
+                continue
+            op = _peek_op(data)
+            handler = _handlers.get(op)
             lane = handler.lane if handler is not None else CONTROL
-            self._lanes[lane].submit(self._handle, parts[0].bytes, parts[1])
+            busy = self.admission.admit(identity, lane)
+            if busy is not None:
+                _log.warning("busy", "raydirect agent: a request refused: %s", busy)
+                if _wire.wants_reply_raw(op, data):
+                    self._send(identity, _wire.refusal(_wire.BUSY, busy))
+                continue
+            self._lanes[lane].submit(self._run_admitted, identity, lane, frame)
+
+    def _run_admitted(self, identity: bytes, lane: str, frame: zmq.Frame) -> None:
+        try:
+            self._handle(identity, frame)
+        finally:
+            self.admission.done(identity, lane)
+
+    def _send(self, identity: bytes, header: dict[str, Any]) -> None:
+        """A reply from the loop thread itself (which owns the ROUTER socket)."""
+        with contextlib.suppress(zmq.ZMQError):  # the peer is gone
+            self._router.send_multipart([identity, _wire.encode_header(header)])
+
+    def _refuse_unauthenticated(self, identity: bytes, data: bytes, frame: zmq.Frame) -> None:
+        """Junk, or a process without the cluster's token: dropped undecoded; a few per
+        second are decoded and, if they want a reply, told why."""
+        self.admission.note("unauthenticated")
+        _log.warning(
+            "unauthenticated",
+            "raydirect agent: requests without the Ray cluster's token dropped (from %s)",
+            _peer_of(frame),
+        )
+        if not self._refusals.take():
+            return
+        try:
+            request = json.loads(data)
+        except (ValueError, RecursionError):
+            return
+        if isinstance(request, dict) and _wire.wants_reply(request):
+            self._send(
+                identity,
+                _wire.refusal(
+                    _wire.UNAUTHENTICATED,
+                    "request refused: it does not carry this Ray cluster's auth token "
+                    "(RAY_AUTH_MODE=token)",
+                ),
+            )
 
     def _handle(self, identity: bytes, frame: zmq.Frame) -> None:
         reply = Reply(self._outbox_address, identity, self._worker_local)
@@ -171,7 +252,7 @@ class Server:
         try:
             request = json.loads(frame.bytes)
             if not _wire.authenticated(request):
-                self._refuse_unauthenticated(request, frame, reply)
+                self._refuse_unauthenticated_late(request, frame, reply)
                 return
             handler = _handlers.get(request["op"])
             if handler is None:
@@ -181,7 +262,8 @@ class Server:
         # Anything a hostile peer can make json or the field checks raise (a
         # RecursionError from deeply nested JSON, say) is a refusal, never silence.
         except Exception as exc:
-            log.warning(
+            _log.warning(
+                "malformed",
                 "raydirect agent: malformed request from %s refused (%s)",
                 _peer_of(frame),
                 type(exc).__name__,
@@ -208,8 +290,10 @@ class Server:
                 reply.send(_wire.refusal(_wire.TRANSFER, f"{type(exc).__name__}: {exc}"))
 
     @staticmethod
-    def _refuse_unauthenticated(request: Any, frame: zmq.Frame, reply: Reply) -> None:
-        log.warning(
+    def _refuse_unauthenticated_late(request: Any, frame: zmq.Frame, reply: Reply) -> None:
+        """A request whose bytes held the proof, yet not as its ``auth`` field."""
+        _log.warning(
+            "unauthenticated",
             "raydirect agent: request from %s without the Ray cluster's token refused",
             _peer_of(frame),
         )
@@ -232,14 +316,13 @@ class Server:
             return obj
         op = request.get("op")
         # Never log a capability, nor more of an object id than tells objects apart.
-        log.log(
-            logging.DEBUG if op in _wire.NOTIFY_OPS else logging.WARNING,
-            "raydirect agent: %r for %s from %s refused: %s",
-            str(op)[:32],
-            obj_id.hex()[:8],
-            _peer_of(frame),
-            "wrong capability" if obj is not None else "no such object (freed, or never here)",
-        )
+        why = "wrong capability" if obj is not None else "no such object (freed, or never here)"
+        message = "raydirect agent: %r for %s from %s refused: %s"
+        args = (str(op)[:32], obj_id.hex()[:8], _peer_of(frame), why)
+        if op in _wire.NOTIFY_OPS:  # a late notice for a freed object: expected
+            log.debug(message, *args)
+        else:
+            _log.warning("capability", message, *args)
         if _wire.wants_reply(request):
             reply.send(
                 _wire.refusal(
@@ -249,10 +332,9 @@ class Server:
         return None
 
 
-def _peek_op(frame: zmq.Frame) -> str:
+def _peek_op(data: bytes) -> str:
     """The op of a request, cheaply, only to pick its lane (the handler re-checks
     everything); unknown or malformed goes to the control lane."""
-    data = frame.bytes
     start = data.find(b'"op": "')
     if start < 0:
         return ""

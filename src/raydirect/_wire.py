@@ -43,6 +43,7 @@ OPTIONAL_REPLY_OPS = frozenset({GROUP_BROKEN, GROUP_LEAVE})
 # Refusal kinds in replies, and what the consumer raises for each.
 LOST = "lost"
 UNAUTHENTICATED = "unauthenticated"
+BUSY = "busy"
 BAD_REQUEST = "bad_request"
 TRANSFER = "transfer"
 
@@ -61,6 +62,13 @@ def auth_proof() -> str | None:
     return _proof_for(_ray.session_key())
 
 
+def auth_fragment() -> bytes | None:
+    """The bytes every authenticated request contains (``encode_header`` writes the
+    proof as ``"auth": "<digest>"``): the agent drops what lacks them unparsed."""
+    proof = auth_proof()
+    return None if proof is None else b'"auth": "' + proof.encode() + b'"'
+
+
 def authenticated(request: Any) -> bool:
     """Does ``request`` carry this cluster's proof (or is none required)?"""
     expected = auth_proof()
@@ -76,6 +84,15 @@ def wants_reply(request: Any) -> bool:
         return False
     if op in OPTIONAL_REPLY_OPS:
         return bool(request.get("reply"))
+    return True
+
+
+def wants_reply_raw(op: str, data: bytes) -> bool:
+    """``wants_reply`` without parsing: for requests refused before they are decoded."""
+    if op in NOTIFY_OPS:
+        return False
+    if op in OPTIONAL_REPLY_OPS:
+        return b'"reply": true' in data
     return True
 
 
@@ -110,6 +127,11 @@ def raise_for_refusal(header: dict[str, Any], who: str) -> None:
         raise TransferError(
             f"the producer {who} refused this process ({message}): run it in the same "
             "Ray cluster, with the cluster's token (RAY_AUTH_TOKEN or ~/.ray/auth_token)"
+        )
+    if kind == BUSY:
+        raise TransferError(
+            f"the producer {who} is too busy to take this request ({message}); "
+            "read it again, or send fewer requests to it at once"
         )
     raise TransferError(f"the producer {who} could not send the object: {message}")
 

@@ -1,0 +1,117 @@
+"""Admission control for the agent: who gets a worker thread, decided on the
+agent's loop thread before any decoding.
+
+Anyone who can reach an agent's port can send it messages. Before this, every
+message was queued for a worker without bound and served in arrival order:
+two local clients sending junk as fast as they could starved a real transfer
+for a minute. Now, per message and in this order:
+
+1. *Shape*: exactly an identity and one frame, else dropped.
+2. *Authentication*, where Ray's token auth is on: a real request carries the
+   cluster's proof as the literal bytes ``"auth": "<digest>"`` (``_wire``), so
+   one substring search tells junk apart; no JSON is parsed. Junk is dropped;
+   a refusal naming the fix is sent back to at most ``REFUSALS_PER_S`` of them
+   per second (a real process without the token still learns why).
+3. *Per-peer limit*: at most ``PEER_IN_FLIGHT`` requests of one connection
+   queued or running; beyond that the peer is told the agent is busy.
+4. *Bounded lanes*: at most ``LANE_QUEUE`` requests waiting per lane; beyond
+   that, busy.
+
+ZeroMQ's ROUTER already reads its connections fairly (one message from each in
+turn), so an authenticated consumer's request waits behind at most one message
+per flooding connection, and those cost a substring search each.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+
+log = logging.getLogger("raydirect")
+
+PEER_IN_FLIGHT = 64
+LANE_QUEUE = 1024
+REFUSALS_PER_S = 50
+LOG_EVERY_S = 10.0
+
+
+class RateLimitedLog:
+    """One warning per kind per ``LOG_EVERY_S``, saying how many were held back:
+    a flood must not turn into a flood of log lines."""
+
+    def __init__(self, every: float = LOG_EVERY_S) -> None:
+        self._every = every
+        self._last: dict[str, float] = {}
+        self._held: Counter[str] = Counter()
+        self._lock = threading.Lock()
+
+    def warning(self, kind: str, message: str, *args: object) -> None:
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -self._every) < self._every:
+                self._held[kind] += 1
+                return
+            self._last[kind] = now
+            held, self._held[kind] = self._held[kind], 0
+        suffix = f" ({held} more like it in the last {self._every:.0f}s not logged)" if held else ""
+        log.warning(message + suffix, *args)
+
+
+class TokenBucket:
+    """At most ``rate`` events per second (bursts of up to ``rate``)."""
+
+    def __init__(self, rate: float) -> None:
+        self._rate = rate
+        self._tokens = rate
+        self._at = time.monotonic()
+
+    def take(self) -> bool:
+        now = time.monotonic()
+        self._tokens = min(self._rate, self._tokens + (now - self._at) * self._rate)
+        self._at = now
+        if self._tokens < 1:
+            return False
+        self._tokens -= 1
+        return True
+
+
+class Admission:
+    """Counts of requests queued or running, per peer and per lane."""
+
+    def __init__(self, lanes: tuple[str, ...]) -> None:
+        self._peers: Counter[bytes] = Counter()
+        self._lanes: Counter[str] = Counter({lane: 0 for lane in lanes})
+        self._lock = threading.Lock()
+        self.refused: Counter[str] = Counter()  # reason -> count, for stats and tests
+
+    def admit(self, peer: bytes, lane: str) -> str | None:
+        """None if the request may be queued (then call ``done`` when it ends), else
+        why not."""
+        with self._lock:
+            if self._peers[peer] >= PEER_IN_FLIGHT:
+                reason = f"{PEER_IN_FLIGHT} requests of this consumer are already in flight"
+            elif self._lanes[lane] >= LANE_QUEUE:
+                reason = f"{LANE_QUEUE} requests are already waiting"
+            else:
+                self._peers[peer] += 1
+                self._lanes[lane] += 1
+                return None
+            self.refused["busy"] += 1
+            return reason
+
+    def done(self, peer: bytes, lane: str) -> None:
+        with self._lock:
+            self._lanes[lane] -= 1
+            self._peers[peer] -= 1
+            if self._peers[peer] <= 0:
+                del self._peers[peer]
+
+    def note(self, reason: str) -> None:
+        with self._lock:
+            self.refused[reason] += 1
+
+    def in_flight(self) -> int:
+        with self._lock:
+            return sum(self._lanes.values())
