@@ -35,27 +35,33 @@ PEER_IN_FLIGHT = 64
 LANE_QUEUE = 1024
 REFUSALS_PER_S = 50
 LOG_EVERY_S = 10.0
+LOG_BURST = 10
 
 
 class RateLimitedLog:
-    """One warning per kind per ``LOG_EVERY_S``, saying how many were held back:
-    a flood must not turn into a flood of log lines."""
+    """At most ``burst`` warnings per kind per ``LOG_EVERY_S``; the next one logged
+    says how many were held back. A flood must not become a flood of log lines,
+    while a few refusals (a misconfigured peer) are each seen."""
 
-    def __init__(self, every: float = LOG_EVERY_S) -> None:
-        self._every = every
-        self._last: dict[str, float] = {}
+    def __init__(self, every: float = LOG_EVERY_S, burst: int = LOG_BURST) -> None:
+        self._every, self._burst = every, burst
+        self._window: dict[str, tuple[float, int]] = {}  # kind -> (start, logged in it)
         self._held: Counter[str] = Counter()
         self._lock = threading.Lock()
 
     def warning(self, kind: str, message: str, *args: object) -> None:
         now = time.monotonic()
         with self._lock:
-            if now - self._last.get(kind, -self._every) < self._every:
+            start, logged = self._window.get(kind, (now, 0))
+            if now - start >= self._every:
+                start, logged = now, 0
+            if logged >= self._burst:
+                self._window[kind] = (start, logged)
                 self._held[kind] += 1
                 return
-            self._last[kind] = now
+            self._window[kind] = (start, logged + 1)
             held, self._held[kind] = self._held[kind], 0
-        suffix = f" ({held} more like it in the last {self._every:.0f}s not logged)" if held else ""
+        suffix = f" ({held} more like it not logged)" if held else ""
         log.warning(message + suffix, *args)
 
 

@@ -234,9 +234,13 @@ class Server:
             return
         try:
             request = json.loads(data)
-        except (ValueError, RecursionError):
+        except (ValueError, RecursionError) as exc:
+            self._send(
+                identity,
+                _wire.refusal(_wire.BAD_REQUEST, f"malformed request: {type(exc).__name__}"),
+            )
             return
-        if isinstance(request, dict) and _wire.wants_reply(request):
+        if _wire.wants_reply(request):
             self._send(
                 identity,
                 _wire.refusal(
@@ -322,7 +326,7 @@ class Server:
         if op in _wire.NOTIFY_OPS:  # a late notice for a freed object: expected
             log.debug(message, *args)
         else:
-            _log.warning("capability", message, *args)
+            _log.warning(f"capability: {why}", message, *args)
         if _wire.wants_reply(request):
             reply.send(
                 _wire.refusal(
