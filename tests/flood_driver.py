@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import random
+import socket
 import statistics
 import subprocess
 import sys
@@ -23,6 +24,9 @@ from typing import Any
 
 CLIENTS = 2
 TRANSFER_BYTES = 1 << 20
+BIG_BYTES = 24 << 20
+IDLE_CONNECTIONS = 300  # per port, idle; and HALF_SENT more that stop midway
+HALF_SENT = 50
 SETTLE_S = 60.0
 
 
@@ -87,6 +91,51 @@ def grew(now: dict[str, int], base: dict[str, int]) -> bool:
     return any(now[k] > base[k] for k in base)
 
 
+def rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(x for x in f if x.startswith("VmRSS:"))
+    return int(line.split()[1]) << 10
+
+
+def idle_phase(ray: Any, rd: Any, torch: Any, p: Any, agent: dict[str, Any]) -> dict[str, Any]:
+    """Hundreds of idle connections and half-sent greetings and headers on both
+    ports, while small and large transfers go on; then all of them closed."""
+    host, agent_port = agent["address"].rpartition("//")[2].rsplit(":", 1)
+    ports = {"agent": int(agent_port), "streams": ray.get(p.stream_port.remote())}
+    halves = {"agent": b"\xff\x00\x00\x00", "streams": b"RDS1" + bytes(6)}
+    rss_before = rss(agent["pid"])
+    conns = []
+    for name, port in ports.items():
+        for i in range(IDLE_CONNECTIONS + HALF_SENT):
+            conn = socket.create_connection((host, port), timeout=10)
+            if i >= IDLE_CONNECTIONS:
+                conn.sendall(halves[name])
+            conns.append(conn)
+    want_big = torch.arange(BIG_BYTES // 4, dtype=torch.int32)
+    times = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        big = rd.get(p.make_big.remote(), timeout=60, tensor_transport="tcp")
+        small = rd.get(p.make.remote(), timeout=60, tensor_transport="tcp")
+        times.append(time.perf_counter() - t0)
+        if not torch.equal(big, want_big) or small.numel() != TRANSFER_BYTES // 4:
+            raise AssertionError("a transfer arrived wrong while connections sat idle")
+    rss_during = rss(agent["pid"])
+    open_at_end = census(agent["pid"])["fds"]
+    for conn in conns:
+        conn.close()
+    from raydirect import _stream_client
+
+    _stream_client.close_idle()  # this driver's pooled stream connections, too
+    return {
+        "connections": len(conns),
+        "transfers_ok": len(times),
+        "median_pair_s": statistics.median(times),
+        "rss_growth_bytes": rss_during - rss_before,
+        "producer_fds_while_open": open_at_end,
+    }
+
+
 def main() -> None:
     import ray
     import torch
@@ -99,10 +148,20 @@ def main() -> None:
     class Producer:
         def __init__(self) -> None:
             self.t = torch.arange(TRANSFER_BYTES // 4, dtype=torch.int32)
+            self.big = torch.arange(BIG_BYTES // 4, dtype=torch.int32)
 
         @rd.method(tensor_transport="tcp")
         def make(self) -> Any:
             return self.t
+
+        @rd.method(tensor_transport="tcp")
+        def make_big(self) -> Any:  # over the stream threshold: moves on the stream port
+            return self.big
+
+        def stream_port(self) -> int:
+            from raydirect import _stream_server
+
+            return _stream_server.running().port
 
         def agent(self) -> dict[str, Any]:
             from raydirect import _runtime, _wire
@@ -167,6 +226,8 @@ def main() -> None:
     codes = [c.wait(timeout=60) for c in clients]
     after = [transfer() for _ in range(10)]
 
+    idle = idle_phase(ray, rd, torch, p, agent)
+
     deadline = time.monotonic() + SETTLE_S
     while grew(now := census(agent["pid"]), base) and time.monotonic() < deadline:
         time.sleep(0.2)  # the agent's sockets to the flooders close once it notices
@@ -181,6 +242,7 @@ def main() -> None:
         "max_during_s": max(during) if during else None,
         "median_after_s": statistics.median(after),
         "refused": ray.get(p.refused.remote()),
+        "idle": idle,
         "census_before": base,
         "census_after": now,
         "python_threads_before": base_threads,

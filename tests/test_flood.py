@@ -53,3 +53,13 @@ def test_the_agent_returns_to_its_fds_and_threads(flooded):
     # its own under load (named grpc_global_timer), which is not ours to count.
     assert flooded["python_threads_after"] == flooded["python_threads_before"]
     assert all(name.startswith("grpc") for name in flooded["grown"]["threads"]), flooded["grown"]
+
+
+def test_idle_and_half_sent_connections_neither_block_nor_bloat(flooded):
+    """300 idle and 50 half-sent connections on each of the agent's ports: small and
+    large (stream) transfers still arrive exact; the producer's memory stays bounded
+    and, once they close, its fds are back (checked above)."""
+    idle = flooded["idle"]
+    assert idle["connections"] == 2 * 350
+    assert idle["transfers_ok"] == 10
+    assert idle["rss_growth_bytes"] < 64 << 20, idle

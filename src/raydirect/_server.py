@@ -142,6 +142,8 @@ class Server:
             (zmq.ROUTER_HANDOVER, 1),
             (zmq.LINGER, 0),
             (zmq.MAXMSGSIZE, MAX_REQUEST_BYTES),
+            # A connection that has not finished ZeroMQ's greeting by then is closed.
+            (zmq.HANDSHAKE_IVL, 5000),
         ):
             self._router.setsockopt(opt, value)
         port = self._router.bind_to_random_port(f"tcp://{ip}")

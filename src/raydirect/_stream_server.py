@@ -30,6 +30,7 @@ import socket
 import struct
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 log = logging.getLogger("raydirect")
@@ -64,6 +65,10 @@ class StreamServer:
         self._tickets: dict[bytes, Ticket] = {}
         self._lock = threading.Lock()
         self._open = 0
+        # Connections that have not yet named a live ticket, oldest first: when all
+        # MAX_CONNECTIONS are taken, the oldest of these makes room for a new one,
+        # so idle junk connections cannot lock real consumers out.
+        self._unnamed: OrderedDict[socket.socket, None] = OrderedDict()
         threading.Thread(target=self._accept_loop, name="raydirect-streams", daemon=True).start()
 
     # -- tickets
@@ -109,9 +114,16 @@ class StreamServer:
                 time.sleep(0.1)  # e.g. out of fds: do not spin
                 continue
             with self._lock:
-                full = self._open >= MAX_CONNECTIONS
+                victim = None
+                if self._open >= MAX_CONNECTIONS and self._unnamed:
+                    victim, _ = self._unnamed.popitem(last=False)
+                full = self._open >= MAX_CONNECTIONS and victim is None
                 if not full:
                     self._open += 1
+                    self._unnamed[conn] = None
+            if victim is not None:
+                with contextlib.suppress(OSError):  # its thread ends and frees its slot
+                    victim.shutdown(socket.SHUT_RDWR)
             if full:
                 conn.close()
                 continue
@@ -130,9 +142,10 @@ class StreamServer:
         except Exception:
             log.exception("raydirect streams: unexpected error on a connection")
         finally:
-            conn.close()
             with self._lock:
                 self._open -= 1
+                self._unnamed.pop(conn, None)
+            conn.close()
 
     def _serve_window(self, conn: socket.socket, wait: float) -> bool:
         """Serve one request on ``conn`` (arriving within ``wait`` seconds); False
@@ -143,6 +156,8 @@ class StreamServer:
             return False
         magic, key, offset, length = HEADER.unpack(header)
         ticket = self._claim(key) if magic == MAGIC else None
+        with self._lock:
+            self._unnamed.pop(conn, None)  # it spoke: served now, or closed below
         if ticket is None:
             with contextlib.suppress(OSError):
                 conn.sendall(bytes([UNKNOWN_TICKET]))
