@@ -46,6 +46,20 @@ _HANDSHAKE_FAILED = (
 )
 
 
+_client_keys: tuple[bytes, bytes] | None = None
+_client_keys_lock = threading.Lock()
+
+
+def _curve_client_keys() -> tuple[bytes, bytes]:
+    """This process's CURVE key pair as a client (ephemeral: agents accept any
+    client key; who may read what is decided by the token proof and capabilities)."""
+    global _client_keys
+    with _client_keys_lock:
+        if _client_keys is None:
+            _client_keys = zmq.curve_keypair()
+        return _client_keys
+
+
 class Channel:
     """One consumer's conversation with one producer's agent.
 
@@ -73,13 +87,22 @@ class Channel:
             (zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS),
         ):
             self.socket.setsockopt(opt, value)
+        self.endpoint, server_key = _wire.split_address(address)
+        if server_key is not None:
+            public, secret = _curve_client_keys()
+            for opt, key in (
+                (zmq.CURVE_SERVERKEY, server_key),
+                (zmq.CURVE_PUBLICKEY, public),
+                (zmq.CURVE_SECRETKEY, secret),
+            ):
+                self.socket.setsockopt(opt, key)
         self.monitor: zmq.Socket = self.socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED
             | zmq.EVENT_DISCONNECTED
             | zmq.EVENT_CONNECT_RETRIED
             | _HANDSHAKE_FAILED
         )
-        self.socket.connect(address)
+        self.socket.connect(self.endpoint)
         self.connected = False
         self.refusals = 0
         self.lost = False

@@ -2,8 +2,9 @@
 
 Starting it allows cross-memory reads of this process (``cma``), removes what
 dead producers on this node left in shared memory, binds the server to the
-node's Ray address and announces it in Ray's key-value store for
-``raydirect status``. The ``stats`` op is served from here.
+node's Ray address (encrypted with CURVE when ``encryption_wanted``, else with a
+stream port for bulk ``tcp`` reads beside it) and announces it in Ray's
+key-value store for ``raydirect status``. The ``stats`` op is served from here.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import atexit
 import dataclasses
 import json
 import logging
+import os
 import threading
 from typing import Any
 
@@ -21,6 +23,8 @@ from raydirect._store import store
 from raydirect.transports.shm import sweep_dead_segments
 
 log = logging.getLogger("raydirect")
+
+ENCRYPT_ENV = "RAYDIRECT_ENCRYPT"
 
 _agent: Server | None = None
 _agent_lock = threading.Lock()
@@ -35,17 +39,35 @@ def agent(label: str | None = None) -> Server:
             if _agent is None:
                 _process.allow_memory_reads()
                 sweep_dead_segments()
-                _agent = Server(_ray.node_ip())
-                _stream_server.start(_ray.node_ip())
+                encrypt = encryption_wanted()
+                _agent = Server(_ray.node_ip(), encrypt=encrypt)
+                if not encrypt:  # bulk streams are plain TCP: encrypted agents keep to CURVE
+                    _stream_server.start(_ray.node_ip())
                 _announce(_agent, label)
-                if _ray.tls_enabled():
+                if _ray.tls_enabled() and not encrypt:
                     log.warning(
-                        "raydirect: Ray TLS is on (RAY_USE_TLS), but raydirect's control channel "
-                        "and tcp transport are not encrypted: requests are authenticated, yet "
-                        "tensor bytes cross the network in clear. Keep nodes on a trusted "
-                        "network, or use a transport your network encrypts."
+                        "raydirect: Ray TLS is on (RAY_USE_TLS), but %s=0: raydirect's control "
+                        "channel and tcp transport are not encrypted, tensor bytes cross the "
+                        "network in clear",
+                        ENCRYPT_ENV,
                     )
     return _agent
+
+
+def encryption_wanted() -> bool:
+    """Whether this process's agent encrypts (``RAYDIRECT_ENCRYPT``; unset: when
+    Ray's TLS is on)."""
+    raw = os.environ.get(ENCRYPT_ENV, "").strip().lower()
+    if raw in ("", "auto"):
+        return _ray.tls_enabled()
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    if raw in ("0", "false", "off", "no"):
+        return False
+    raise ValueError(
+        f"{ENCRYPT_ENV}={raw!r}: expected 1 (encrypt), 0 (do not), or unset it to "
+        "encrypt exactly when Ray's TLS is on (RAY_USE_TLS=1)"
+    )
 
 
 def _announce(server: Server, label: str | None) -> None:

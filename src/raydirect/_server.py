@@ -129,7 +129,7 @@ def _peer_of(frame: zmq.Frame) -> str:
 
 
 class Server:
-    def __init__(self, ip: str) -> None:
+    def __init__(self, ip: str, *, encrypt: bool = False) -> None:
         ctx: zmq.Context = zmq.Context.instance()
         self._router = ctx.socket(zmq.ROUTER)
         for opt, value in (
@@ -146,8 +146,15 @@ class Server:
             (zmq.HANDSHAKE_IVL, 5000),
         ):
             self._router.setsockopt(opt, value)
+        public = None
+        if encrypt:  # CURVE: every connection to this agent is encrypted (and its key fresh)
+            public, secret = zmq.curve_keypair()
+            self._router.setsockopt(zmq.CURVE_SERVER, 1)
+            self._router.setsockopt(zmq.CURVE_SECRETKEY, secret)
         port = self._router.bind_to_random_port(f"tcp://{ip}")
-        self.address = f"tcp://{ip}:{port}"
+        endpoint = f"tcp://{ip}:{port}"
+        self.encrypted = encrypt
+        self.address = endpoint if public is None else _wire.encrypted_address(endpoint, public)
         self._outbox_address = f"inproc://raydirect-outbox-{id(self)}"
         self._outbox = ctx.socket(zmq.PULL)
         self._outbox.setsockopt(zmq.RCVHWM, 0)

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import zmq.utils.z85
 
 from raydirect import _ray
 from raydirect.errors import ProducerLostError, TransferError
@@ -60,6 +61,27 @@ def _proof_for(session: tuple[int, str]) -> str | None:
 def auth_proof() -> str | None:
     """What every request carries when Ray's token authentication is on (else None)."""
     return _proof_for(_ray.session_key())
+
+
+CURVE_MARK = "/curve/"  # an encrypted agent's address: tcp://ip:port/curve/<public key, hex>
+
+
+def split_address(address: str) -> tuple[str, bytes | None]:
+    """An agent address's ZeroMQ endpoint and, for an encrypted agent, its CURVE
+    public key (Z85). The key travels inside the address, so wherever an address
+    goes (the ObjectRef's payload, over Ray's own TLS-protected channels; the
+    status announcement; group membership) the key needed to reach it goes too."""
+    endpoint, mark, key_hex = address.partition(CURVE_MARK)
+    if not mark:
+        return address, None
+    try:
+        return endpoint, zmq.utils.z85.encode(bytes.fromhex(key_hex))
+    except ValueError as exc:
+        raise TransferError(f"malformed agent address {address!r}: {exc}") from exc
+
+
+def encrypted_address(endpoint: str, public_key: bytes) -> str:
+    return f"{endpoint}{CURVE_MARK}{zmq.utils.z85.decode(public_key).hex()}"
 
 
 def auth_fragment() -> bytes | None:
