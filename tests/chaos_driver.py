@@ -1,0 +1,151 @@
+"""Chaos: producers (``max_restarts``) killed at random while consumers read from
+them; run inside a lo-only network namespace by tests/test_chaos.py.
+
+    python chaos_driver.py SECONDS SEED
+
+Three consumers loop for SECONDS: ask a random producer for a value (random
+size and transport), read it with a deadline, record exact / wrong / the error
+and how long it took. Meanwhile the driver SIGKILLs a random producer every
+1-4 s; Ray restarts it. Prints one ``@@RD {json}`` line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+PRODUCERS = 2
+CONSUMERS = 3
+READ_TIMEOUT_S = 30.0
+SIZES = (4 << 10, 1 << 20, 8 << 20)  # inline-sized, control channel, bulk streams
+TRANSPORTS = ("auto", "shm", "tcp")
+
+
+BOUND_S = READ_TIMEOUT_S + 30
+RAY_ERRORS = ("Ray", "Actor", "Task", "ObjectLost", "GetTimeout")
+
+
+def unexplained(outcome: dict[str, Any]) -> bool:
+    """An error that is neither raydirect's nor Ray's own."""
+    if outcome["result"] != "error" or outcome["raydirect"]:
+        return False
+    return not any(word in outcome["type"] for word in RAY_ERRORS)
+
+
+def main() -> None:
+    import ray
+    import torch
+
+    import raydirect as rd
+
+    seconds, seed = float(sys.argv[1]), int(sys.argv[2])
+
+    def value(nbytes: int, salt: int) -> torch.Tensor:
+        return torch.arange(nbytes // 4, dtype=torch.int32) * 7 + salt
+
+    @ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=0)
+    class Producer:
+        def pid(self) -> int:
+            return os.getpid()
+
+        @rd.method(tensor_transport="auto")
+        def make_auto(self, nbytes: int, salt: int) -> Any:
+            return value(nbytes, salt)
+
+        @rd.method(tensor_transport="shm")
+        def make_shm(self, nbytes: int, salt: int) -> Any:
+            return value(nbytes, salt)
+
+        @rd.method(tensor_transport="tcp")
+        def make_tcp(self, nbytes: int, salt: int) -> Any:
+            return value(nbytes, salt)
+
+    @ray.remote(num_cpus=0)
+    class Consumer:
+        def fds(self) -> int:
+            return len(os.listdir(f"/proc/{os.getpid()}/fd"))
+
+        def run(self, producers: list[Any], until: float, seed: int) -> list[dict[str, Any]]:
+            rng = random.Random(seed)
+            outcomes = []
+            while time.time() < until:
+                p = rng.choice(producers)
+                nbytes, transport = rng.choice(SIZES), rng.choice(TRANSPORTS)
+                salt = rng.randrange(1 << 20)
+                t0 = time.monotonic()
+                try:
+                    ref = getattr(p, f"make_{transport}").remote(nbytes, salt)
+                    got = rd.get(ref, timeout=READ_TIMEOUT_S, tensor_transport=transport)
+                    ok = torch.equal(got, value(nbytes, salt))
+                    outcome = {"result": "exact" if ok else "wrong"}
+                except Exception as exc:
+                    outcome = {"result": "error", "type": type(exc).__name__,
+                               "raydirect": type(exc).__module__.startswith("raydirect"),
+                               "message": str(exc)[:300]}  # fmt: skip
+                outcome["seconds"] = round(time.monotonic() - t0, 3)
+                outcomes.append(outcome)
+            return outcomes
+
+    ray.init(num_cpus=4, include_dashboard=False, logging_level="error")
+    rng = random.Random(seed)
+    producers = [Producer.remote() for _ in range(PRODUCERS)]
+    consumers = [Consumer.remote() for _ in range(CONSUMERS)]
+    pids = ray.get([p.pid.remote() for p in producers])
+    warm = ray.get([c.run.remote(producers, time.time() + 2, i) for i, c in enumerate(consumers)])
+    fds_before = ray.get([c.fds.remote() for c in consumers])
+    until = time.time() + seconds
+    running = [c.run.remote(producers, until, seed * 10 + i) for i, c in enumerate(consumers)]
+    killed: list[int] = []
+    while time.time() < until - 1:
+        time.sleep(rng.uniform(1, 4))
+        i = rng.randrange(PRODUCERS)
+        try:
+            pid = ray.get(producers[i].pid.remote(), timeout=60)
+        except Exception:
+            continue  # still restarting: kill another time
+        os.kill(pid, signal.SIGKILL)
+        killed.append(pid)
+    outcomes = [o for batch in ray.get(running, timeout=seconds + 120) for o in batch]
+    # Restarted producers serve again: one exact read from each, over each transport.
+    after = []
+    for p in producers:
+        for transport in TRANSPORTS:
+            ref = getattr(p, f"make_{transport}").remote(1 << 20, 5)
+            got = rd.get(ref, timeout=120, tensor_transport=transport)
+            after.append(bool(torch.equal(got, value(1 << 20, 5))))
+    deadline = time.monotonic() + 60
+    while True:  # a restarted producer's agent sweeps what its dead predecessors left
+        left = sorted(
+            n for n in os.listdir("/dev/shm") if n.split("-")[1:2] in [[str(k)] for k in killed]
+        )
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    fds_after = ray.get([c.fds.remote() for c in consumers])
+    result = {
+        "killed": len(killed),
+        "first_pids": pids,
+        "reads": len(outcomes),
+        "results": dict(Counter(o["result"] for o in outcomes)),
+        "errors": dict(Counter(o.get("type") for o in outcomes if o["result"] == "error")),
+        "bad": [o for o in outcomes if o["result"] == "wrong" or o["seconds"] > BOUND_S],
+        "non_raydirect_non_ray": [o for o in outcomes if unexplained(o)],
+        "max_seconds": max(o["seconds"] for o in outcomes),
+        "served_again": after,
+        "segments_left": left,
+        "fds_before": fds_before,
+        "fds_after": fds_after,
+        "warm_reads": sum(len(w) for w in warm),
+    }  # fmt: skip
+    print("@@RD " + json.dumps(result), flush=True)
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
