@@ -92,6 +92,18 @@ def main() -> None:
                 outcomes.append(outcome)
             return outcomes
 
+    def read_when_back(p: Any, transport: str, check: Any) -> bool:
+        """One read from ``p`` once Ray has restarted it (the last kill may be recent)."""
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                ref = getattr(p, f"make_{transport}").remote(1 << 20, 5)
+                return bool(check(rd.get(ref, timeout=60, tensor_transport=transport)))
+            except (ray.exceptions.ActorUnavailableError, rd.ProducerLostError):
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+
     ray.init(num_cpus=4, include_dashboard=False, logging_level="error")
     rng = random.Random(seed)
     producers = [Producer.remote() for _ in range(PRODUCERS)]
@@ -116,9 +128,9 @@ def main() -> None:
     after = []
     for p in producers:
         for transport in TRANSPORTS:
-            ref = getattr(p, f"make_{transport}").remote(1 << 20, 5)
-            got = rd.get(ref, timeout=120, tensor_transport=transport)
-            after.append(bool(torch.equal(got, value(1 << 20, 5))))
+            after.append(
+                read_when_back(p, transport, lambda got: torch.equal(got, value(1 << 20, 5)))
+            )
     deadline = time.monotonic() + 60
     while True:  # a restarted producer's agent sweeps what its dead predecessors left
         left = sorted(

@@ -235,6 +235,8 @@ def channel(address: str) -> Iterator[Channel]:
         old = cache.pop(address, None)
         if old is not None:
             old.close()
+        for gone in [a for a, c in cache.items() if not c.healthy()]:  # producer died
+            cache.pop(gone).close()
         cache[address] = ch
         while len(cache) > _CACHED_CHANNELS:
             cache.popitem(last=False)[1].close()

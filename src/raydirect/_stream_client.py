@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
@@ -38,6 +39,7 @@ _POLL_S = 0.2
 _RECV_BYTES = 16 << 20  # per recv_into call: bounded time between checks
 _CONNECT_TIMEOUT_S = 5.0
 _IDLE_PER_PRODUCER = 8
+_IDLE_TOTAL = 32
 ENV_STREAMS = "RAYDIRECT_TCP_STREAMS"
 
 # What this process received over streams: transfers, windows, connections opened.
@@ -80,32 +82,58 @@ def streams_for(nbytes: int) -> int:
 
 
 class _Pool:
-    """Idle connections per producer stream address, any thread."""
+    """Idle connections per producer stream address, any thread; at most
+    ``_IDLE_TOTAL`` in all (oldest closed first), and those whose producer hung up
+    (it restarted, or closed them as idle) are closed when the pool is next used."""
 
     def __init__(self) -> None:
-        self._idle: dict[tuple[str, int], list[socket.socket]] = defaultdict(list)
+        self._idle: OrderedDict[socket.socket, tuple[str, int]] = OrderedDict()
         self._lock = threading.Lock()
 
     def take(self, address: tuple[str, int]) -> socket.socket | None:
         with self._lock:
-            idle = self._idle.get(address)
-            return idle.pop() if idle else None
+            for conn, where in reversed(self._idle.items()):
+                if where == address:
+                    del self._idle[conn]
+                    return conn
+        return None
+
+    def give(self, address: tuple[str, int], conn: socket.socket) -> None:
+        with self._lock:
+            closed = _hung_up(list(self._idle))
+            for old in closed:
+                del self._idle[old]
+            self._idle[conn] = address
+            if sum(1 for a in self._idle.values() if a == address) > _IDLE_PER_PRODUCER:
+                closed.append(conn)
+                del self._idle[conn]
+            while len(self._idle) > _IDLE_TOTAL:
+                closed.append(self._idle.popitem(last=False)[0])
+        for old in closed:
+            old.close()
 
     def close_idle(self) -> int:
         with self._lock:
-            idle = [conn for conns in self._idle.values() for conn in conns]
+            idle = list(self._idle)
             self._idle.clear()
         for conn in idle:
             conn.close()
         return len(idle)
 
-    def give(self, address: tuple[str, int], conn: socket.socket) -> None:
-        with self._lock:
-            idle = self._idle[address]
-            if len(idle) < _IDLE_PER_PRODUCER:
-                idle.append(conn)
-                return
-        conn.close()
+
+def _hung_up(conns: list[socket.socket]) -> list[socket.socket]:
+    """Those of ``conns`` whose peer closed them (readable, with nothing to read)."""
+    if not conns:
+        return []
+    readable, _, _ = select.select(conns, [], [], 0)
+    gone = []
+    for conn in readable:
+        try:
+            if not conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                gone.append(conn)
+        except OSError:
+            gone.append(conn)
+    return gone
 
 
 _pool = _Pool()
