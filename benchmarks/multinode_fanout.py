@@ -4,8 +4,10 @@ leave node B counted on its link.
 
 Rows, side by side in one run: ``rd.broadcast`` (one read per node, relayed
 within it), every consumer reading the producer directly over ``tcp``, Ray's
-object store (which also pulls once per node), and Ray's RDT over Gloo (one send
-per consumer; its workers get ``GLOO_SOCKET_IFNAME=rdveth``).
+object store (which also pulls once per node), Ray's RDT over Gloo (one send
+per consumer; its workers get ``GLOO_SOCKET_IFNAME=rdveth``), and weight sync:
+a trainer on node B publishes a model of the same size, four inference
+workers (2-way tensor parallel within each node) load half of it each.
 
     sudo .venv/bin/python benchmarks/multinode_fanout.py [--size 256MiB] [--repeats 3]
 
@@ -26,7 +28,15 @@ from typing import Any
 
 import multinode as mn
 
-ROWS = ("raydirect broadcast", "raydirect direct (tcp)", "ray object store", "ray RDT gloo")
+WEIGHTS = "raydirect weights (half per worker)"
+ROWS = (
+    "raydirect broadcast",
+    WEIGHTS,
+    "raydirect direct (tcp)",
+    "ray object store",
+    "ray RDT gloo",
+)
+LAYERS = 8  # the weight-sync row's model: LAYERS tensors, size / LAYERS bytes each
 CONSUMER_NODES = ("nodeA", "nodeA", "nodeC", "nodeC")
 
 
@@ -152,7 +162,61 @@ def inner(size: int, repeats: int) -> dict[str, Any]:
         rdt_env,
         lambda p, cs: create_collective_group([p, *cs], backend="torch_gloo"),
     )
+    rows[WEIGHTS] = run_weights(ray, rd, torch, size, repeats, thp_env, mn_link_bytes)
     return {"rows": rows}
+
+
+def run_weights(ray: Any, rd: Any, torch: Any, size: int, repeats: int, env: dict, link: Any):
+    """A trainer on node B publishes a model of ``size`` bytes; four inference
+    workers (two per node, 2-way tensor parallel within it) each load half of
+    every tensor's rows into their own tensors."""
+    rows = size // LAYERS // 4 // 1024  # float32 rows of 1024 columns per layer
+
+    @ray.remote(num_cpus=0)
+    class Trainer:
+        def __init__(self) -> None:
+            self.w = {f"l{i}": torch.zeros(rows, 1024) for i in range(LAYERS)}
+            self.pub = rd.WeightPublisher(self.w, depth=1)
+
+        def publish(self, version: int) -> Any:
+            for w in self.w.values():
+                w.fill_(version)
+            return self.pub.publish(version, timeout=120)
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def __init__(self, rank: int) -> None:
+            half = rows // 2
+            self.w = {f"l{i}": torch.empty(half, 1024) for i in range(LAYERS)}
+            span = (0, half * rank, half * (rank + 1))
+            self.sub = rd.WeightSubscriber(self.w, shard=lambda name, shape: span)
+
+        def load(self, handle: Any) -> bool:
+            version = self.sub.load(handle, timeout=120)
+            return all(bool((w == version).all()) for w in self.w.values())
+
+    trainer = Trainer.options(resources={"nodeB": 0.001}, runtime_env=env).remote()
+    workers = [
+        Worker.options(resources={n: 0.001}, runtime_env=env).remote(i % 2)
+        for i, n in enumerate(CONSUMER_NODES)
+    ]
+    times = []
+    for version in range(1, repeats + 2):
+        before = link()
+        t0 = time.perf_counter()
+        handle = trainer.publish.remote(version)
+        ok = ray.get([w.load.remote(handle) for w in workers], timeout=600)
+        seconds, egress = time.perf_counter() - t0, link() - before
+        del handle
+        if not all(ok):
+            raise ValueError(f"weights: a worker loaded wrong values ({ok})")
+        if version > 1:
+            times.append((seconds, egress))
+    median = statistics.median(t for t, _ in times)
+    copies = statistics.median(e for _, e in times) / size
+    mn.log(f"{WEIGHTS}: {median:.3f} s, node B sent {copies:.2f} copies")
+    # Each worker receives half the model: two copies delivered in all.
+    return {"seconds": median, "copies_from_b": copies, "times": times, "delivered": 2 * size}
 
 
 def outer(args: argparse.Namespace) -> int:
@@ -196,9 +260,10 @@ def table(rows: dict[str, Any], size: int) -> str:
     ]
     for name in ROWS:
         r = rows[name]
-        speed = [f"{rows[b]['seconds'] / r['seconds']:.2f}x" for b in ROWS[1:]]
+        speed = [f"{rows[b]['seconds'] / r['seconds']:.2f}x" for b in ROWS[2:]]
+        delivered = r.get("delivered", 4 * size)
         lines.append(
-            f"| {name} | {r['seconds']:.3f} | {4 * size / r['seconds'] / mn.GB:.2f} | "
+            f"| {name} | {r['seconds']:.3f} | {delivered / r['seconds'] / mn.GB:.2f} | "
             f"{' | '.join(speed)} | {r['copies_from_b']:.2f} |"
         )
     return "\n".join(lines)
