@@ -132,3 +132,17 @@ def answers(conn: socket.socket) -> list[int]:
     except ConnectionResetError:
         pass
     return list(got)
+
+
+def test_a_read_that_times_out_leaves_no_ticket_behind(pair, monkeypatch):
+    """The consumer gives up after its deadline: the producer drops the ticket (and
+    the bytes it keeps alive) when sending to the closed stream fails."""
+    p, _ = pair
+    monkeypatch.setenv(_stream_client.ENV_STREAMS, "2")
+    big = p.big.remote(256 << 20, 4)
+    ray.wait([big])
+    with pytest.raises(ray.exceptions.GetTimeoutError):
+        rd.get(big, timeout=0.001, tensor_transport="tcp")
+    assert pending_tickets(p, timeout=30) == 0
+    got = rd.get(big, timeout=60, tensor_transport="tcp")  # and it reads again, whole
+    assert got.numel() == 256 << 20 and int(got[1]) == 4

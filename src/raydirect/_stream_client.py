@@ -300,6 +300,8 @@ class _Transfer:
                 self._check()
                 raise ConnectionError("the producer closed the stream midway")
             piece = piece[got:]
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                raise TimeoutError("the stream did not finish before the deadline")
 
     def wait(self, others: list[Future[None]]) -> None:
         """Until the other windows end, watching the producer from this thread."""

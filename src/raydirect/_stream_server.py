@@ -15,10 +15,11 @@ each sends ``HEADER``: magic, ticket, offset, length; it gets one status byte
 and then those bytes of the transfer. Junk costs one fixed-size read and a
 dictionary lookup before the connection is closed; nothing is decoded.
 
-A ticket ends when all its bytes were sent or after ``TICKET_TTL_S`` (a consumer
-that died midway). Connections are bounded (``MAX_CONNECTIONS``) and an idle one
-that never named a live ticket is closed after ``FIRST_REQUEST_TIMEOUT_S``, an
-idle one after ``IDLE_TIMEOUT_S``.
+A ticket ends when all its bytes were sent, when sending a window fails (the
+consumer gave up), or after ``TICKET_TTL_S`` (a consumer that never came).
+Connections are bounded (``MAX_CONNECTIONS``); one that never named a live
+ticket is closed after ``FIRST_REQUEST_TIMEOUT_S``, an idle one after
+``IDLE_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ log = logging.getLogger("raydirect")
 MAGIC = b"RDS1"
 HEADER = struct.Struct("<4s16sQQ")  # magic, ticket, offset, length
 OK, UNKNOWN_TICKET, BAD_WINDOW = 0, 1, 2
-TICKET_TTL_S = 300.0
+# Consumers open every window of a transfer as soon as they get its ticket.
+TICKET_TTL_S = 60.0
+_SWEEP_S = 5.0  # how often expired tickets (and the memory they keep) are dropped
 # A new connection must name a live ticket this soon; one that has been served
 # may then wait for its consumer's next transfer (consumers pool connections).
 FIRST_REQUEST_TIMEOUT_S = 5.0
@@ -75,13 +78,21 @@ class StreamServer:
     def issue(self, views: list[memoryview]) -> tuple[bytes, int]:
         """A ticket for the concatenation of ``views`` (kept alive until sent)."""
         ticket = secrets.token_bytes(16)
-        now = time.monotonic()
         nbytes = sum(len(v) for v in views)
+        self._sweep()
+        with self._lock:
+            self._tickets[ticket] = Ticket(views, nbytes, time.monotonic() + TICKET_TTL_S)
+        return ticket, nbytes
+
+    def _sweep(self) -> None:
+        now = time.monotonic()
         with self._lock:
             for key in [k for k, t in self._tickets.items() if t.expires < now]:
                 del self._tickets[key]
-            self._tickets[ticket] = Ticket(views, nbytes, now + TICKET_TTL_S)
-        return ticket, nbytes
+
+    def _drop(self, key: bytes) -> None:
+        with self._lock:
+            self._tickets.pop(key, None)
 
     def pending(self) -> int:
         """Tickets not yet fully sent (tests check that transfers leave none)."""
@@ -106,9 +117,13 @@ class StreamServer:
 
     # -- connections
     def _accept_loop(self) -> None:
+        self._listener.settimeout(_SWEEP_S)
         while True:
             try:
                 conn, _ = self._listener.accept()
+            except TimeoutError:
+                self._sweep()
+                continue
             except OSError:
                 log.exception("raydirect streams: accept failed; still serving")
                 time.sleep(0.1)  # e.g. out of fds: do not spin
@@ -166,9 +181,13 @@ class StreamServer:
             conn.sendall(bytes([BAD_WINDOW]))
             return False
         conn.settimeout(_SEND_TIMEOUT_S)
-        conn.sendall(bytes([OK]))
-        for piece in window(ticket.views, offset, length):
-            conn.sendall(piece)
+        try:
+            conn.sendall(bytes([OK]))
+            for piece in window(ticket.views, offset, length):
+                conn.sendall(piece)
+        except OSError:
+            self._drop(key)  # the consumer gave up on this transfer: free its bytes now
+            raise
         self._sent(key, ticket, length)
         return True
 
