@@ -71,6 +71,14 @@ def main() -> None:
         def fds(self) -> int:
             return len(os.listdir(f"/proc/{os.getpid()}/fd"))
 
+        def pid(self) -> int:
+            return os.getpid()
+
+        def close_idle(self) -> int:
+            from raydirect import _stream_client
+
+            return _stream_client.close_idle()
+
         def run(self, producers: list[Any], until: float, seed: int) -> list[dict[str, Any]]:
             rng = random.Random(seed)
             outcomes = []
@@ -111,11 +119,16 @@ def main() -> None:
     pids = ray.get([p.pid.remote() for p in producers])
     warm = ray.get([c.run.remote(producers, time.time() + 2, i) for i, c in enumerate(consumers)])
     fds_before = ray.get([c.fds.remote() for c in consumers])
+    consumer_pids = ray.get([c.pid.remote() for c in consumers])
+    samples: list[list[int]] = []
     until = time.time() + seconds
     running = [c.run.remote(producers, until, seed * 10 + i) for i, c in enumerate(consumers)]
     killed: list[int] = []
     while time.time() < until - 1:
-        time.sleep(rng.uniform(1, 4))
+        pause = time.monotonic() + rng.uniform(1, 4)
+        while time.monotonic() < pause:
+            samples.append([len(os.listdir(f"/proc/{c}/fd")) for c in consumer_pids])
+            time.sleep(0.5)
         i = rng.randrange(PRODUCERS)
         try:
             pid = ray.get(producers[i].pid.remote(), timeout=60)
@@ -139,6 +152,7 @@ def main() -> None:
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
+    pooled = ray.get([c.close_idle.remote() for c in consumers])
     fds_after = ray.get([c.fds.remote() for c in consumers])
     result = {
         "killed": len(killed),
@@ -153,6 +167,8 @@ def main() -> None:
         "segments_left": left,
         "fds_before": fds_before,
         "fds_after": fds_after,
+        "pooled_closed": pooled,
+        "fd_samples": samples[:: max(1, len(samples) // 12)],
         "warm_reads": sum(len(w) for w in warm),
     }  # fmt: skip
     print("@@RD " + json.dumps(result), flush=True)
