@@ -11,6 +11,7 @@ and how long it took. Meanwhile the driver SIGKILLs a random producer every
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -29,6 +30,16 @@ TRANSPORTS = ("auto", "shm", "tcp")
 
 BOUND_S = READ_TIMEOUT_S + 30
 RAY_ERRORS = ("Ray", "Actor", "Task", "ObjectLost", "GetTimeout")
+
+
+def fd_kinds(pid: int) -> dict[str, int]:
+    """What a process's fds point at ("socket", "anon_inode", a file's path), counted:
+    says what grew when the count does."""
+    kinds: Counter[str] = Counter()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            kinds[os.readlink(f"/proc/{pid}/fd/{fd}").split(":")[0]] += 1
+    return dict(kinds)
 
 
 def unexplained(outcome: dict[str, Any]) -> bool:
@@ -153,6 +164,7 @@ def main() -> None:
             break
         time.sleep(0.2)
     pooled = ray.get([c.close_idle.remote() for c in consumers])
+    kinds = [fd_kinds(c) for c in consumer_pids]
     fds_after = ray.get([c.fds.remote() for c in consumers])
     result = {
         "killed": len(killed),
@@ -168,6 +180,7 @@ def main() -> None:
         "fds_before": fds_before,
         "fds_after": fds_after,
         "pooled_closed": pooled,
+        "fd_kinds": kinds,
         "fd_samples": samples[:: max(1, len(samples) // 12)],
         "warm_reads": sum(len(w) for w in warm),
     }  # fmt: skip

@@ -219,7 +219,10 @@ _channels = _ChannelCache()
 def channel(address: str) -> Iterator[Channel]:
     """A channel to ``address`` reused by this thread; closed (not reused) when the
     conversation fails midway, so no stray reply can reach the next one."""
-    ch = _channels.channels.pop(address, None)
+    cache = _channels.channels
+    for gone in [a for a, c in cache.items() if a != address and not c.healthy()]:
+        cache.pop(gone).close()  # its agent died: nothing will use it again
+    ch = cache.pop(address, None)
     if ch is not None and not ch.healthy():
         ch.close()
         ch = None
@@ -231,12 +234,9 @@ def channel(address: str) -> Iterator[Channel]:
         ch.close()
         raise
     else:
-        cache = _channels.channels
         old = cache.pop(address, None)
         if old is not None:
             old.close()
-        for gone in [a for a, c in cache.items() if not c.healthy()]:  # producer died
-            cache.pop(gone).close()
         cache[address] = ch
         while len(cache) > _CACHED_CHANNELS:
             cache.popitem(last=False)[1].close()

@@ -196,6 +196,10 @@ class _MappedSegments:
             _map(os.path.join(SHM_DIR, name), size, create=False), dtype=torch.uint8
         )
         with self._lock:
+            # A segment unlinked since (its producer died, or freed it) keeps its
+            # memory while mapped here: unmap it rather than wait to be evicted.
+            for gone in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
+                del self._maps[gone]
             self._maps[name] = view
             while len(self._maps) > _MAPPED_SEGMENTS:
                 self._maps.popitem(last=False)  # unmapped once no copy uses it
