@@ -180,12 +180,17 @@ def layout_bytes(layout: Layout) -> int:
     return sum(math.prod(shape) for shape in layout.values()) * ELEMENT_BYTES
 
 
+VOCAB_PAD = 64  # the embedding's rows, a multiple of this (engines pad the vocabulary)
+
+
 def state_dict_layout(total_bytes: int, layers: int = 22) -> Layout:
     """A decoder-only transformer's state dict (Llama-like names and proportions:
     embedding, per layer two norms, q/k/v/o with 4x grouped k/v, gate/up/down
     MLP of 2.75x width, a final norm): ``layers * 9 + 2`` tensors (200 by default)
-    from 1 KiB norms to a ~20 MiB embedding, summing exactly to ``total_bytes``.
-    The width is the largest power of two that leaves the embedding >= 5% of it."""
+    from 1 KiB norms to a ~20 MiB embedding, summing to ``total_bytes`` less what
+    padding the vocabulary to a multiple of 64 leaves over (under 64 embedding
+    rows), as engines pad it so that every tensor-parallel rank holds an equal
+    share. The width is the largest power of two that leaves the embedding >= 5%."""
     elements = total_bytes // ELEMENT_BYTES
     if total_bytes % ELEMENT_BYTES:
         raise ValueError(f"state size {total_bytes} is not a multiple of {ELEMENT_BYTES}")
@@ -197,8 +202,9 @@ def state_dict_layout(total_bytes: int, layers: int = 22) -> Layout:
     d = 1 << 14
     while d > 8 and layers * per_layer(d) + d > 0.95 * elements:
         d //= 2
-    vocab, rest = divmod(elements - layers * per_layer(d) - d, d)
-    if rest or vocab < 1:
+    vocab = (elements - layers * per_layer(d) - d) // d
+    vocab -= vocab % VOCAB_PAD
+    if vocab < VOCAB_PAD:
         raise ValueError(
             f"state size {format_size(total_bytes)} does not split into {layers} layers; "
             "use a multiple of 64 KiB of at least 1 MiB"
@@ -217,7 +223,7 @@ def state_dict_layout(total_bytes: int, layers: int = 22) -> Layout:
         layout[p + "mlp.up_proj.weight"] = (f, d)
         layout[p + "mlp.down_proj.weight"] = (d, f)
     layout["model.norm.weight"] = (d,)
-    assert layout_bytes(layout) == total_bytes
+    assert total_bytes - VOCAB_PAD * d * ELEMENT_BYTES < layout_bytes(layout) <= total_bytes
     return layout
 
 

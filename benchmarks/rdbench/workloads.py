@@ -45,6 +45,7 @@ from rdbench.common import (
     describe_error,
     fill_pattern,
     format_size,
+    layout_bytes,
     log,
     part_seed,
     raydirect_system,
@@ -235,12 +236,13 @@ def weight_sync(ctx: Context) -> list[Row]:
     consumer is done. GB/s counts the bytes delivered: state size x consumers."""
     cfg, rows = ctx.config, list[Row]()
     layout = state_dict_layout(cfg.state_bytes)
-    log(f"w2: state dict of {len(layout)} tensors, {format_size(cfg.state_bytes)}")
+    nbytes = layout_bytes(layout)
+    log(f"w2: state dict of {len(layout)} tensors, {format_size(nbytes)}")
     for spec in WEIGHT_SYNC_SYSTEMS:
         if not cfg.wants(spec.group):
             continue
         family = [
-            Row(2, spec.system, f"{n} consumer{'s' * (n > 1)}", n, cfg.state_bytes * n)
+            Row(2, spec.system, f"{n} consumer{'s' * (n > 1)}", n, nbytes * n)
             for n in cfg.consumers
         ]
         rows += family
@@ -259,7 +261,7 @@ def weight_sync(ctx: Context) -> list[Row]:
         if not allocate([producer], layout, family):
             continue
         for row, n in zip(family, cfg.consumers, strict=True):
-            sync = _sync_operation(spec, producer, consumers[:n], layout, cfg.state_bytes)
+            sync = _sync_operation(spec, producer, consumers[:n], layout, nbytes)
             run_row(row, cfg.sync_steps, sync, ctx.seed_iter)
     ctx.release()
     return rows

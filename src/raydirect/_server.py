@@ -51,6 +51,17 @@ _RCVHWM = 1000
 _BATCH = 256  # messages handled per turn of the loop, each way
 
 
+def open_reply_socket(outbox_address: str, local: threading.local) -> zmq.Socket:
+    """The calling worker thread's socket to the agent's outbox (ZeroMQ sockets
+    belong to one thread). Opened when the thread starts, so that the agent's
+    fds are fixed from then on, whichever threads serve what."""
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.SNDHWM, 0)
+    sock.connect(outbox_address)
+    local.push = sock
+    return sock
+
+
 class Reply:
     """How a handler answers one request (from its worker thread)."""
 
@@ -61,12 +72,7 @@ class Reply:
 
     def _socket(self) -> zmq.Socket:
         sock = getattr(self._local, "push", None)
-        if sock is None:
-            sock = zmq.Context.instance().socket(zmq.PUSH)
-            sock.setsockopt(zmq.SNDHWM, 0)
-            sock.connect(self._address)
-            self._local.push = sock
-        return sock
+        return open_reply_socket(self._address, self._local) if sock is None else sock
 
     def send(self, header: dict[str, Any], *frames: Any, copy: bool = True) -> None:
         """One message: a JSON header and optional raw frames (sent zero-copy with
@@ -83,10 +89,11 @@ class _Lane:
     """Worker threads started up front (a fixed set: the agent's thread count does
     not depend on what peers send), fed by a queue that admission bounds."""
 
-    def __init__(self, name: str, threads: int) -> None:
+    def __init__(self, name: str, threads: int, on_start: Callable[[], None]) -> None:
         self._queue: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]] = (
             queue.SimpleQueue()
         )
+        self._on_start = on_start
         for i in range(threads):
             threading.Thread(target=self._work, name=f"raydirect-{name}-{i}", daemon=True).start()
 
@@ -94,6 +101,7 @@ class _Lane:
         self._queue.put((fn, args))
 
     def _work(self) -> None:
+        self._on_start()
         while True:
             fn, args = self._queue.get()
             try:
@@ -159,12 +167,17 @@ class Server:
         self._outbox = ctx.socket(zmq.PULL)
         self._outbox.setsockopt(zmq.RCVHWM, 0)
         self._outbox.bind(self._outbox_address)
-        self._lanes = {lane: _Lane(lane, n) for lane, n in _LANE_THREADS.items()}
         self._worker_local = threading.local()
+        self._lanes = {
+            lane: _Lane(lane, n, self._open_worker_socket) for lane, n in _LANE_THREADS.items()
+        }
         self.admission = Admission(tuple(_LANE_THREADS))
         self._refusals = TokenBucket(REFUSALS_PER_S)
         self._thread = threading.Thread(target=self._loop, name="raydirect-agent", daemon=True)
         self._thread.start()
+
+    def _open_worker_socket(self) -> None:
+        open_reply_socket(self._outbox_address, self._worker_local)
 
     def _loop(self) -> None:
         poller = zmq.Poller()
