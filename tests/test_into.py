@@ -6,8 +6,10 @@ import pytest
 import ray
 import torch
 
+import raydirect as rd
+
 import actors
-from actors import make_value
+from actors import check_value, make_value
 
 
 @pytest.mark.parametrize("method", ["value", "value_tcp", "value_shm"])
@@ -101,3 +103,61 @@ def test_set_target_refuses_a_plain_object(pair):
     plain = ray.put({"x": 1})
     error = ray.get(c.__ray_call__.remote(actors.hint_plain, [plain]))
     assert error.startswith("ValueError") and "holds no raydirect tensors" in error
+
+
+@pytest.mark.parametrize("method", ["value", "value_tcp", "value_shm"])
+def test_device_cpu_receives_every_tensor_on_the_cpu(pair, method):
+    p, _ = pair
+    ref = getattr(p, method).remote("params")
+    got = rd.get(ref, device="cpu", timeout=60)
+    assert check_value("params", got) is None
+    assert all(t.device.type == "cpu" for t in got.values() if isinstance(t, torch.Tensor))
+
+
+def test_device_applies_to_values_that_came_back_inline(pair):
+    p, _ = pair
+    ref = p.value.remote("dtypes")  # small enough to travel inside Ray's reply
+    got = rd.get(ref, device="cpu", timeout=60)
+    assert check_value("dtypes", got) is None
+
+
+def test_device_on_the_producer_itself_gives_its_own_tensors(ray_session):
+    t = torch.arange(1 << 16, dtype=torch.float32)
+    ref = rd.put({"t": t})
+    assert rd.get(ref, device="cpu")["t"].data_ptr() == t.data_ptr()  # no copy: already there
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "expected"),
+    [
+        ("gpu0", ValueError, "not a device torch knows"),
+        ("meta", ValueError, "receives onto 'cpu' or 'cuda'"),
+        pytest.param(
+            "cuda:0",
+            ValueError,
+            "sees no CUDA device",
+            marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA"),
+        ),
+    ],
+)
+def test_a_bad_device_is_refused_before_a_byte_moves(pair, device, error, expected):
+    p, _ = pair
+    ref = p.value_tcp.remote("dtypes")
+    ray.wait([ref])
+    before = rd.local_stats().bytes_received
+    with pytest.raises(error, match=expected):
+        rd.get(ref, device=device)
+    with pytest.raises(error, match=expected):
+        rd.set_target(ref, device=device)
+    assert rd.local_stats().bytes_received == before
+    with pytest.raises(TypeError, match="into= or device="):
+        rd.get(ref, into=make_value("dtypes"), device="cpu")
+    assert check_value("dtypes", rd.get(ref, timeout=60)) is None  # the ref still reads
+
+
+def test_set_target_with_a_device_serves_a_plain_ray_get(pair):
+    p, _ = pair
+    ref = p.value.remote("views")
+    rd.set_target(ref, device="cpu")
+    got = ray.get(ref)
+    assert check_value("views", got) is None

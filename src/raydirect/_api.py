@@ -14,11 +14,12 @@ from concurrent.futures import wait as wait_futures
 from typing import Any, TypeVar, overload
 
 import ray
+import torch
 
 from raydirect import _ray
 from raydirect._consumer import fetch_value
-from raydirect._into import match, set_hint
-from raydirect._payload import PendingFetch, get_deferred
+from raydirect._into import check_device_fits, match, on_device, set_hint, target_device
+from raydirect._payload import PendingFetch, get_deferred, join, split
 from raydirect._producer import export
 from raydirect._store import LocalStats, store
 from raydirect.errors import FetchTimeoutError
@@ -132,6 +133,7 @@ def get(
     timeout: float | None = None,
     tensor_transport: str | None = None,
     into: Any = None,
+    device: Any = None,
 ) -> Any:
     """Like ``ray.get``, but every ref's tensors are fetched concurrently, the
     whole call is bounded by ``timeout`` (``FetchTimeoutError``, a
@@ -144,9 +146,17 @@ def get(
     target's shape, dtype, device and contiguity are checked before a byte
     moves (``ValueError``/``TypeError`` naming the target); the returned value
     holds the target tensors themselves.
+
+    ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``) allocates every received
+    tensor on that device instead, as Ray's ``set_target_device_for_ref`` does:
+    a CUDA producer's tensors into this process's host memory, or CPU tensors
+    onto a GPU, one copy.
     """
     if tensor_transport is not None:
         check_name(tensor_transport)
+    if into is not None and device is not None:
+        raise TypeError("rd.get takes into= or device=, not both: into='s tensors are the device")
+    dev = target_device(device)
     single = isinstance(refs, ray.ObjectRef)
     ref_list = [refs] if single else list(refs)
     intos = _per_ref(into, single, len(ref_list))
@@ -161,12 +171,26 @@ def get(
             )
     # Checked before any transfer starts, so a bad target moves nothing.
     targets = {i: match(values[i].payload, intos[i]) for i in pending if intos[i] is not None}
+    if dev is not None:
+        for i in pending:
+            check_device_fits(values[i].payload.metas, dev)
     fetched = _fetch_all(
-        {i: values[i] for i in pending}, targets, deadline, timeout, tensor_transport
+        {i: values[i] for i in pending}, targets, deadline, timeout, tensor_transport, dev
     )
-    for i, value in fetched.items():
-        values[i] = value
+    for i, value in enumerate(values):
+        values[i] = fetched[i] if i in fetched else _moved(value, dev)
     return values[0] if single else values
+
+
+def _moved(value: Any, device: torch.device | None) -> Any:
+    """A value that came back through Ray itself (inline, or not raydirect's), its
+    tensors on ``device``."""
+    if device is None:
+        return value
+    parts = split(value, only=torch.Tensor)
+    if not parts.tensors:
+        return value
+    return join(parts.skeleton, on_device(parts.originals, parts.metas, device), parts.handles)
 
 
 def _fetch_all(
@@ -175,16 +199,17 @@ def _fetch_all(
     deadline: float | None,
     timeout: float | None,
     forced: str | None,
+    device: torch.device | None,
 ) -> dict[int, Any]:
     """Every pending fetch at once, bounded by one deadline; the first failure wins."""
     if len(pending) == 1:
         [(i, value)] = pending.items()
         try:
-            return {i: fetch_value(value.payload, deadline, forced, targets.get(i))}
+            return {i: fetch_value(value.payload, deadline, forced, targets.get(i), device)}
         except TimeoutError as exc:
             raise _timeout_error(timeout, 1, [value]) from exc
     futures = {
-        i: _fetch_pool().submit(fetch_value, v.payload, deadline, forced, targets.get(i))
+        i: _fetch_pool().submit(fetch_value, v.payload, deadline, forced, targets.get(i), device)
         for i, v in pending.items()
     }
     remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
@@ -218,22 +243,26 @@ async def get_async(
     timeout: float | None = None,
     tensor_transport: str | None = None,
     into: Any = None,
+    device: Any = None,
 ) -> Any:
     """``rd.get`` for coroutines: ``await rd.get_async(refs)`` fetches on a
     worker thread, so the event loop (and every other coroutine of an async
     actor) keeps running during a large transfer. Same arguments as ``rd.get``."""
     loop = asyncio.get_running_loop()
     call = functools.partial(
-        get, refs, timeout=timeout, tensor_transport=tensor_transport, into=into
+        get, refs, timeout=timeout, tensor_transport=tensor_transport, into=into, device=device
     )
     return await loop.run_in_executor(_async_pool(), call)
 
 
-def set_target(ref: ray.ObjectRef, into: Any) -> None:
-    """Have the next read of ``ref`` in this process land in ``into``: Ray
-    rebuilding it as a task argument, ``ray.get``, ``rd.get`` or ``await``.
-    ``into`` is checked now, as for ``rd.get(ref, into=...)``; ``None`` clears
-    the hint. The hint is used once."""
+def set_target(ref: ray.ObjectRef, into: Any = None, *, device: Any = None) -> None:
+    """Have the next read of ``ref`` in this process land in ``into``, or on
+    ``device`` (as for ``rd.get``): Ray rebuilding it as a task argument,
+    ``ray.get``, ``rd.get`` or ``await``. Checked now, as ``rd.get`` checks them;
+    neither clears the hint. The hint is used once."""
+    if into is not None and device is not None:
+        raise TypeError("rd.set_target takes into= or device=, not both")
+    dev = target_device(device)
     if not isinstance(ref, ray.ObjectRef):
         raise TypeError(f"rd.set_target takes an ObjectRef, got {type(ref).__name__}")
     [value] = get_deferred([ref])
@@ -244,7 +273,9 @@ def set_target(ref: ray.ObjectRef, into: Any) -> None:
         )
     if into is not None:
         match(value.payload, into)
-    set_hint(value.payload.obj_id, into)
+    if dev is not None:
+        check_device_fits(value.payload.metas, dev)
+    set_hint(value.payload.obj_id, into if dev is None else dev)
 
 
 def _timeout_error(timeout: float | None, count: int, late: list[Any]) -> FetchTimeoutError:

@@ -28,8 +28,17 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import torch
+
 from raydirect import _channel, _payload, _plugin_transfer, _process, _ray, _wire
-from raydirect._into import copy_into, match, take_hint, writable_bytes
+from raydirect._into import (
+    copy_into,
+    make_targets,
+    match,
+    on_device,
+    take_hint,
+    writable_bytes,
+)
 from raydirect._payload import PREPARING, Payload, ProducerInfo, join
 from raydirect._ranges import Ranges
 from raydirect._store import StoredObject, store
@@ -182,21 +191,42 @@ def fetch_tensors(
     deadline: float | None = None,
     forced: str | None = None,
     into: dict[int, Any] | None = None,
+    device: torch.device | None = None,
 ) -> list[Any]:
     """The tensors of ``payload`` in this process (copies, or the originals when
     this process produced them); tensor ``i`` lands in ``into[i]`` where given
-    (targets already checked by ``_into.match``)."""
+    (targets already checked by ``_into.match``), the others on ``device`` where
+    given (checked by ``_into.target_device``)."""
     into = into or {}
+    metas = payload.metas
     if payload.producer.process_token == _process.PROCESS_TOKEN:
         obj = _own_object(payload)
         store.count_received("local", obj.nbytes)
-        return _fill(list(obj.originals), into)
+        return on_device(_fill(list(obj.originals), into), metas, device)
     name = choose_transport(payload, forced)
     if not transport_class(name).byte_transport:
-        return _fill(_receive_plugin(name, payload, deadline), into)
-    return _with_fallback(
-        payload, forced, name, lambda n: _receive_bytes(n, payload, deadline, forced, into)
+        return on_device(_fill(_receive_plugin(name, payload, deadline), into), metas, device)
+    received = _with_fallback(
+        payload,
+        forced,
+        name,
+        lambda n: _receive_bytes(n, payload, deadline, forced, _on(n, payload, into, device)),
     )
+    return on_device(received, metas, device)
+
+
+def _on(
+    name: str, payload: Payload, into: dict[int, Any], device: torch.device | None
+) -> dict[int, Any]:
+    """``into`` and, where transport ``name`` writes onto ``device`` itself though its
+    own buffer would be elsewhere (``cuda_ipc`` copying a producer's CUDA tensors
+    straight into host memory), new tensors there: one copy, no staging."""
+    if device is None or device.type == _arena_device(name, payload):
+        return into
+    cls = transport_class(name)
+    if device.type not in (cls.receive_devices or cls.devices):
+        return into  # received into the transport's own buffer, then copied over
+    return {**make_targets(payload.metas, device, into), **into}
 
 
 def fetch_ranges(
@@ -365,14 +395,18 @@ def fetch_value(
     deadline: float | None = None,
     forced: str | None = None,
     targets: dict[int, Any] | None = None,
+    device: torch.device | None = None,
 ) -> Any:
     """The value ``payload`` stands for, rebuilt in this process; into
-    ``targets`` (from ``_into.match``) where given, else into those of an
-    ``rd.set_target`` hint."""
+    ``targets`` (from ``_into.match``) or onto ``device`` where given, else as an
+    ``rd.set_target`` hint says (targets, or a device)."""
     hint = take_hint(payload.obj_id)
-    if targets is None and hint is not None:
-        targets = match(payload, hint)
-    tensors = fetch_tensors(payload, deadline, forced, targets)
+    if targets is None and device is None and hint is not None:
+        if isinstance(hint, torch.device):
+            device = hint
+        else:
+            targets = match(payload, hint)
+    tensors = fetch_tensors(payload, deadline, forced, targets, device)
     return join(payload.skeleton, tensors, payload.handles)
 
 

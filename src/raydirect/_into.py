@@ -12,6 +12,11 @@ device, dtype, shape, contiguity) before a byte moves, and the bytes land in
 the targets themselves: no receive buffer, no copy after. Tensors of the value
 that ``into`` does not cover arrive in a new buffer as usual.
 
+``device=`` is the other way to say where the bytes land: every tensor of the
+value arrives on that device, in memory raydirect allocates there (a transport
+that can write there itself writes there, one copy; the others receive into
+their own buffer and the tensors are copied over once).
+
 A per-ref hint (``rd.set_target``) serves reads this process does not call
 itself: Ray rebuilding a task argument, or a plain ``ray.get``. It is keyed by
 the object's raydirect id, taken from its Payload, and used once. Hints never
@@ -30,7 +35,7 @@ import numpy as np
 import torch
 
 from raydirect._payload import Payload, join
-from raydirect._tensors import DTYPE_NAMES, TensorMeta
+from raydirect._tensors import DTYPE_NAMES, KIND_TORCH, TensorMeta, finish, torch_dtype
 
 log = logging.getLogger("raydirect")
 _HINTS_KEPT = 4096
@@ -227,3 +232,68 @@ def set_hint(obj_id: bytes, into: Any) -> None:
 def take_hint(obj_id: bytes) -> Any:
     with _hints_lock:
         return _hints.pop(obj_id, None)
+
+
+def target_device(device: Any) -> torch.device | None:
+    """``device=`` of ``rd.get`` and ``rd.set_target``, checked: a device this
+    process can allocate on (``ValueError`` naming the fix otherwise)."""
+    if device is None:
+        return None
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"device={device!r} is not a device torch knows: pass 'cpu', 'cuda' or 'cuda:N'"
+        ) from exc
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise ValueError(f"device={device!r}: raydirect receives onto 'cpu' or 'cuda' devices")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"device={device!r}, but this process sees no CUDA device "
+            "(torch.cuda.is_available() is False): receive onto 'cpu', or give the "
+            "reading actor a GPU (num_gpus=...)"
+        )
+    index = torch.cuda.current_device() if dev.index is None else dev.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(
+            f"device={device!r}, but this process sees {torch.cuda.device_count()} CUDA "
+            "device(s) (Ray sets CUDA_VISIBLE_DEVICES per actor: its first GPU is 'cuda:0')"
+        )
+    return torch.device("cuda", index)
+
+
+def check_device_fits(metas: list[TensorMeta], device: torch.device) -> None:
+    """Only torch tensors go to a GPU: numpy and JAX arrays stay where they are."""
+    if device.type != "cpu" and any(m.kind != KIND_TORCH for m in metas):
+        raise ValueError(
+            f"device={str(device)!r} applies to torch tensors, but this value holds numpy "
+            "or JAX arrays: receive onto 'cpu' and move them yourself"
+        )
+
+
+def make_targets(
+    metas: list[TensorMeta], device: torch.device, skip: Mapping[int, Any]
+) -> dict[int, Any]:
+    """New tensors on ``device`` for the tensors of ``metas`` not in ``skip``."""
+    return {
+        i: finish(torch.empty(m.shape, dtype=torch_dtype(m.dtype), device=device), m)
+        for i, m in enumerate(metas)
+        if i not in skip
+    }
+
+
+def on_device(
+    tensors: list[Any], metas: list[TensorMeta], device: torch.device | None
+) -> list[Any]:
+    """Received tensors on ``device``: those that arrived elsewhere are copied once."""
+    if device is None:
+        return tensors
+    check_device_fits(metas, device)
+    return [
+        finish(t.detach().to(device), m)
+        if isinstance(t, torch.Tensor) and t.device != device
+        else t
+        for t, m in zip(tensors, metas, strict=True)
+    ]

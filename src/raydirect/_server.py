@@ -55,7 +55,7 @@ def open_reply_socket(outbox_address: str, local: threading.local) -> zmq.Socket
     """The calling worker thread's socket to the agent's outbox (ZeroMQ sockets
     belong to one thread). Opened when the thread starts, so that the agent's
     fds are fixed from then on, whichever threads serve what."""
-    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.connect(outbox_address)
     local.push = sock

@@ -139,7 +139,8 @@ class TensorTransportManager(ABC):
 
     Class attributes, declared once: ``one_sided`` (the consumer reads without
     the producer calling ``send_multiple_tensors``), ``devices`` (device types
-    whose memory it moves), ``same_node_only`` (reaches only processes of the
+    whose memory it moves; ``receive_devices``: what else it can write into),
+    ``same_node_only`` (reaches only processes of the
     producer's node). The name is the one given at registration.
 
     Lifecycle of one object, and where each method runs::
@@ -160,6 +161,9 @@ class TensorTransportManager(ABC):
     name: ClassVar[str] = ""
     one_sided: ClassVar[bool] = True
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
+    receive_devices: ClassVar[tuple[str, ...]] = ()
+    """Device types a byte transport's ``receive`` can write into besides
+    ``devices`` (``rd.get(ref, device=...)``); empty: only ``devices``."""
     same_node_only: ClassVar[bool] = False
     byte_transport: ClassVar[bool] = False
     extract_in_background: ClassVar[bool] = True

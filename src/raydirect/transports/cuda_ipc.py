@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from raydirect._ranges import Ranges
+from raydirect.errors import TransportUnavailableError
 from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
 
@@ -31,6 +32,7 @@ class CudaIpcTransport(ByteTransport):
     name = "cuda_ipc"
     one_sided = True
     devices = ("cuda",)
+    receive_devices = ("cuda", "cpu")  # a device-to-host copy straight into host memory
     same_node_only = True
     notify_sent = True
 
@@ -56,6 +58,12 @@ class CudaIpcTransport(ByteTransport):
     def receive(
         self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
     ) -> None:
+        if not torch.cuda.is_available():
+            raise TransportUnavailableError(
+                f"this process sees no CUDA device, so it cannot open {link.who}'s CUDA IPC "
+                "handles: give the reading actor a GPU (num_gpus=...), or have the producer "
+                "return CPU tensors"
+            )
         targets = ranges.dests  # whole tensors: this transport is not ``ranged``
         for target, handle in zip(targets, extra["handles"], strict=True):
             link.check_deadline()
@@ -65,8 +73,9 @@ class CudaIpcTransport(ByteTransport):
             # keep the producer's memory mapped after it freed the tensor.
             share = [_decode(v) for v in handle["share"]]
             storage = torch.UntypedStorage._new_shared_cuda(*share)
-            source = torch.empty(0, dtype=torch.uint8, device=target.device).set_(
+            source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(
                 storage, int(handle["offset"]), (int(handle["nbytes"]),), (1,)
             )
-            target.copy_(source, non_blocking=True)
+            # Onto a GPU asynchronously; into host memory (device=) a synchronous copy.
+            target.copy_(source, non_blocking=target.is_cuda)
         torch.cuda.current_stream().synchronize()
