@@ -488,6 +488,17 @@ class TensorParallel:
         return tensor if spec is None else tensor.narrow(spec[0], spec[1], spec[2] - spec[1])
 
 
+class ColumnBlocks:
+    """shard_blocks for ``world`` ranks: row-parallel weights stored as one block of
+    columns per rank."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def __call__(self, name: str, full_shape: tuple[int, ...]) -> tuple[int, int] | None:
+        return (1, self.world) if name.startswith("rowpar") else None
+
+
 @ray.remote(num_cpus=0)
 class Trainer:
     def __init__(self, count: int, transport: str = "auto", **options: Any) -> None:

@@ -11,7 +11,7 @@ import torch
 
 import raydirect as rd
 
-from actors import Inference, TensorParallel, Trainer, make_weights
+from actors import ColumnBlocks, Inference, TensorParallel, Trainer, make_weights
 from helpers import wait_for
 
 COUNT = 9  # tensors of each small model (3 column-parallel, 3 row-parallel, 3 replicated) + 1
@@ -118,6 +118,42 @@ def test_four_tensor_parallel_consumers_get_exactly_their_slices(ray_session):
     assert sent < 1.2 * whole  # four quarter-reads, not four whole ones
     for actor in (t, *readers):
         ray.kill(actor)
+
+
+def test_column_blocks_give_each_rank_one_run_and_everyone_the_right_values(ray_session):
+    """shard_blocks=: row-parallel weights stored as one block of columns per rank.
+    Ranks of the same world read exactly their bytes; a whole load and a 2-way
+    shard (two blocks each) rearrange what they read and get the same values."""
+    t = Trainer.remote(COUNT, shard_blocks=ColumnBlocks(4))
+    ranks = [Inference.remote(COUNT, rank=r, world=4) for r in range(4)]
+    whole, half = Inference.remote(COUNT), Inference.remote(COUNT, rank=1, world=2)
+    handle = t.publish.remote(1)
+    assert ray.get([r.load.remote(handle) for r in (*ranks, whole, half)]) == [1] * 6
+    full = make_weights(COUNT)
+    for rank, r in enumerate(ranks):
+        shard = TensorParallel(rank, 4)
+        _assert_state(ray.get(r.state.remote()), full, shard)
+        mine = sum(shard.take(k, v).numel() * v.element_size() for k, v in full.items())
+        assert ray.get(r.received.remote()) == mine
+    _assert_state(ray.get(whole.state.remote()), full)
+    _assert_state(ray.get(half.state.remote()), full, TensorParallel(1, 2))
+    ray.get(t.step.remote())  # the next version too: the plans are reused
+    assert ray.get(whole.load.remote(t.publish.remote(2))) == 2
+    _assert_state(ray.get(whole.state.remote()), ray.get(t.state.remote()))
+    for actor in (t, *ranks, whole, half):
+        ray.kill(actor)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "expected"),
+    [(lambda n, s: (1, 5), "does not split shape"), (lambda n, s: "x", "return None or")],
+)
+def test_shard_blocks_that_do_not_fit_are_refused_at_publish(ray_session, blocks, expected):
+    pub = rd.WeightPublisher(make_weights(COUNT), shard_blocks=blocks)
+    with pytest.raises(rd.WeightSyncError, match=expected):
+        pub.publish(1)
+    with pytest.raises(ValueError, match="needs depth >= 1"):
+        rd.WeightPublisher(make_weights(COUNT), depth=0, shard_blocks=ColumnBlocks(4))
 
 
 @pytest.mark.parametrize("field", ["shape", "dtype", "missing", "unexpected", "shard"])

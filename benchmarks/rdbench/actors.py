@@ -310,9 +310,15 @@ class CheckingConsumer:
             self._shards = (key, {n: torch.zeros(s, dtype=DTYPE) for n, s in shapes.items()})
         return self._shards[1]
 
-    def load_weights(self, handle: Any, seed: int, layout: Layout, rank: int, world: int) -> int:
+    def remember_layout(self, key: str, layout: Layout) -> None:
+        """Workload 6 sends the layout once: a 5,000-entry dict as an argument of
+        every step would cost each consumer ~10 ms to unpickle, for every system."""
+        self._layouts = {key: layout}
+
+    def load_weights(self, handle: Any, seed: int, key: str, rank: int, world: int) -> int:
         """rd.WeightSubscriber into this consumer's own tensors (a shard of each when
         ``world`` > 1); checks them; returns the bytes it holds."""
+        layout = self._layouts[key]
         targets = self._targets(layout, rank, world)
         handle = ray.get(handle) if isinstance(handle, ray.ObjectRef) else handle
         key = (id(targets), rank, world, handle.layout.token)  # a new publisher: a new subscriber
@@ -322,10 +328,11 @@ class CheckingConsumer:
         self._sub[1].load(handle, timeout=TRANSFER_TIMEOUT_S)
         return check_shards(targets, layout, seed, rank, world)
 
-    def copy_state(self, state: Any, seed: int, layout: Layout, rank: int, world: int) -> int:
+    def copy_state(self, state: Any, seed: int, key: str, rank: int, world: int) -> int:
         """What users write with Ray's object store or RDT: the whole dict arrives as
         a task argument, then each tensor (or this rank's slice of it) is copied
         into the consumer's own tensors, as ``load_state_dict`` does."""
+        layout = self._layouts[key]
         targets = self._targets(layout, rank, world)
         for name, target in targets.items():
             spec = shard_of(name, layout[name], rank, world) if world > 1 else None

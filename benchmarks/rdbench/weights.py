@@ -129,6 +129,9 @@ def _step(
     publish: bool,
     loads_only: bool = False,
 ) -> Callable[[int], float]:
+    key = f"{len(layout)}-{world}"
+    ray.get([c.remember_layout.remote(key, layout) for c in consumers], timeout=SETUP_TIMEOUT_S)
+
     def step(seed: int) -> float:
         ray.get(producer.prepare.remote(seed), timeout=SETUP_TIMEOUT_S)  # the trainer's step
         if loads_only:
@@ -139,13 +142,13 @@ def _step(
             if not loads_only:
                 ref = producer.publish.remote()
             loads = [
-                c.load_weights.remote(ref, seed, layout, i % world, world)
+                c.load_weights.remote(ref, seed, key, i % world, world)
                 for i, c in enumerate(consumers)
             ]
         else:
             ref = producer.state.remote()
             loads = [
-                c.copy_state.remote(ref, seed, layout, i % world, world)
+                c.copy_state.remote(ref, seed, key, i % world, world)
                 for i, c in enumerate(consumers)
             ]
         got = ray.get(loads, timeout=TRANSFER_TIMEOUT_S)

@@ -6,16 +6,20 @@ target's tensors: no new tensors, parameters keep their identity, so an engine
 holding them sees the update. With ``shard``, each target tensor is a slice of
 the published one and only that slice's bytes are read (``Ranges``): rows of a
 row-major tensor are one run of bytes, columns are many runs, one per row.
+A tensor the publisher laid out in blocks (``shard_blocks``) is read as the
+one block a shard is, in one run; read whole (or as a slice that is not one
+block) it lands in scratch memory and is rearranged into the target.
 The plan (checks done, ranges built) is cached per layout, so a steady loop
 pays for it once.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -26,17 +30,21 @@ from raydirect._into import writable_bytes
 from raydirect._payload import PendingFetch, get_deferred
 from raydirect._ranges import Ranges
 from raydirect._tensors import torch_dtype
-from raydirect._weights import WeightsHandle, WeightsLayout, state_of
+from raydirect._weights import WeightsHandle, WeightsLayout, blocked_view, state_of
 from raydirect.errors import RaydirectError, WeightSyncError
 
 Shard = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
 _SHOWN = 5  # problems listed in one error
 
 
+Row = tuple[int, int, int, int, int]
+
+
 @dataclass
 class _Plan:
     ranges: Ranges
     names: list[str]  # loaded, in the order of the ranges' rows
+    after: list[Callable[[], None]] = field(default_factory=list)  # blocked tensors, from scratch
 
 
 class WeightSubscriber:
@@ -86,6 +94,8 @@ class WeightSubscriber:
             if not isinstance(value, PendingFetch):
                 raise WeightSyncError("the handle's object holds no raydirect tensors")
             fetch_ranges(value.payload, plan.ranges, deadline)
+            for rearrange in plan.after:
+                rearrange()
         except (RaydirectError, ray.exceptions.RayError, TimeoutError) as exc:
             raise WeightSyncError(
                 f"loading version {handle.version} failed midway ({type(exc).__name__}: {exc}); "
@@ -103,28 +113,32 @@ class WeightSubscriber:
 
     def _make_plan(self, layout: WeightsLayout) -> _Plan:
         problems = self._name_problems(layout)
-        rows: list[tuple[int, int, int, int, int]] = []
+        rows: list[Row] = []
         dests: list[torch.Tensor] = []
         names: list[str] = []
+        after: list[Callable[[], None]] = []
         for i, name in enumerate(layout.names):
             target = self._targets.get(name)
             if target is None:
                 continue
             try:
-                row = self._row(layout, i, target)
+                spec = self._check(layout, i, target)
             except WeightSyncError as exc:
                 problems.append(str(exc))
                 continue
+            row, dest, rearrange = _read_of(layout, i, target, spec)
             rows.append(row)
-            dests.append(writable_bytes(target))
+            dests.append(dest)
             names.append(name)
+            if rearrange is not None:
+                after.append(rearrange)
         if problems:
             shown = "; ".join(problems[:_SHOWN])
             more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
             raise WeightSyncError(
                 f"the handle does not fit the target: {shown}{more}; nothing was written"
             )
-        return _Plan(Ranges.of_rows(rows, dests), names)
+        return _Plan(Ranges.of_rows(rows, dests), names, after)
 
     def _name_problems(self, layout: WeightsLayout) -> list[str]:
         if not self._strict:
@@ -142,9 +156,8 @@ class WeightSubscriber:
         ]
         return problems
 
-    def _row(
-        self, layout: WeightsLayout, i: int, target: torch.Tensor
-    ) -> tuple[int, int, int, int, int]:
+    def _check(self, layout: WeightsLayout, i: int, target: torch.Tensor) -> Any:
+        """The shard's slice of tensor ``i`` (None: whole), checked against ``target``."""
         name, full, dtype = layout.names[i], layout.shapes[i], layout.dtypes[i]
         spec = self._shard(name, full) if self._shard is not None else None
         shape = full if spec is None else _sliced_shape(name, full, spec)
@@ -161,8 +174,53 @@ class WeightSubscriber:
             raise WeightSyncError(f"{name!r}: the target is on {target.device}, {where}")
         if not target.is_contiguous():
             raise WeightSyncError(f"{name!r}: the target is not contiguous")
-        element = torch.empty((), dtype=torch_dtype(dtype)).element_size()
-        return _slice_row(layout.index[i], layout.offsets[i], full, spec, element)
+        return spec
+
+
+def _read_of(
+    layout: WeightsLayout, i: int, target: torch.Tensor, spec: Any
+) -> tuple[Row, torch.Tensor, Callable[[], None] | None]:
+    """How tensor ``i`` is read into ``target``: a row of ranges, where it lands,
+    and what to do after (a blocked tensor read into scratch)."""
+    full, dtype = layout.shapes[i], layout.dtypes[i]
+    element = torch.empty((), dtype=torch_dtype(dtype)).element_size()
+    index, base = layout.index[i], layout.offsets[i]
+    block = layout.block_of(i)
+    if block is None:
+        return _slice_row(index, base, full, spec, element), writable_bytes(target), None
+    total = math.prod(full) * element
+    dim, parts = block
+    if spec is not None and int(spec[0]) == dim:
+        size, start, stop = full[dim] // parts, int(spec[1]), int(spec[2])
+        if start % size == 0 and stop - start == size:  # exactly one block: one run
+            return (
+                (index, base + start // size * total // parts, total // parts, 1, 0),
+                (writable_bytes(target)),
+                None,
+            )
+    scratch = torch.empty(total, dtype=torch.uint8, device=target.device)
+    rearrange = functools.partial(_unblock, scratch, target, full, dtype, block, spec)
+    return (index, base, total, 1, 0), scratch, rearrange
+
+
+def _unblock(
+    scratch: torch.Tensor,
+    target: torch.Tensor,
+    full: tuple[int, ...],
+    dtype: str,
+    block: tuple[int, int],
+    spec: Any,
+) -> None:
+    """Copy a blocked tensor's bytes (in ``scratch``) into ``target`` in logical order."""
+    dim, parts = block
+    logical = blocked_view(scratch.view(torch_dtype(dtype)), full, block)
+    with torch.no_grad():
+        if spec is None:
+            target.unflatten(dim, (parts, full[dim] // parts)).copy_(logical)
+            return
+        sdim, start, stop = (int(v) for v in spec)
+        whole = logical.flatten(dim, dim + 1)  # a copy: the blocks are not in order
+        target.copy_(whole.narrow(sdim, start, stop - start))
 
 
 def _sliced_shape(name: str, full: tuple[int, ...], spec: Any) -> tuple[int, ...]:
