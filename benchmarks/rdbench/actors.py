@@ -37,7 +37,7 @@ from rdbench.common import (
     fill_pattern,
     part_seed,
 )
-from rdbench.shards import check_shards, shard_of, sharded_shape
+from rdbench.shards import ColumnBlocks, check_shards, shard_of, sharded_shape
 
 RAYDIRECT_TRANSPORTS = ("auto", "cma", "shm", "tcp", "gloo", "nixl")
 POOL_ENV = "RAYDIRECT_RECV_POOL_BYTES"  # raydirect's receive-buffer pool cap
@@ -135,12 +135,16 @@ class _Producer(PatternSource):
     def stats(self) -> dict[str, Any]:
         return asdict(rd.local_stats())
 
-    def publish(self) -> Any:
+    def publish(self, blocks: int = 1) -> Any:
         """Workload 6: the next version of the tensors through rd.WeightPublisher (one
-        per allocation); ``prepare`` writing them in place between steps is the step."""
-        if self._publisher is None or self._published_from is not self.tensors:
-            self._publisher = rd.WeightPublisher(self.tensors)
-            self._published_from = self.tensors
+        per allocation, and per ``blocks``: with more than one, row-parallel weights
+        are stored as that many blocks of columns); ``prepare`` writing them in
+        place between steps is the step."""
+        made_for = self._published_from
+        if made_for is None or made_for[0] is not self.tensors or made_for[1] != blocks:
+            column_blocks = ColumnBlocks(blocks) if blocks > 1 else None
+            self._publisher = rd.WeightPublisher(self.tensors, shard_blocks=column_blocks)
+            self._published_from = (self.tensors, blocks)
         return self._publisher.publish((self._publisher.version or 0) + 1, timeout=FREE_TIMEOUT_S)
 
     _publisher: Any = None

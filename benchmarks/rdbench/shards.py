@@ -37,6 +37,18 @@ def shard_of(
     return (dim, rank * part, (rank + 1) * part)
 
 
+class ColumnBlocks:
+    """``shard_blocks`` for ``world`` ranks: row-parallel weights stored as one
+    block of columns per rank, so each rank's slice of them is one run."""
+
+    def __init__(self, world: int) -> None:
+        self.world = world
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
+        spec = shard_of(name, shape, 0, self.world)
+        return (1, self.world) if spec is not None and spec[0] == 1 else None
+
+
 def sharded_shape(name: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[int, ...]:
     spec = shard_of(name, shape, rank, world)
     if spec is None:

@@ -43,6 +43,7 @@ ONE_TENSOR = "model.embed_tokens.weight"  # the same bytes as one tensor: the ba
 WORLD = 4  # tensor-parallel ranks of the sharded rows
 WEIGHT_API = "raydirect WeightPublisher"
 LOAD_ONLY = "loads only"  # publish untimed: what each consumer's load costs
+BLOCKS = "column blocks"  # shard_blocks=: each rank's row-parallel columns in one run
 FLOOR_COPY = "floor: in-process copy"
 
 
@@ -65,6 +66,12 @@ def weight_api(ctx: Context) -> list[Row]:
                 rows += _family(
                     ctx, f"{WEIGHT_API}, {shape}, {LOAD_ONLY}", tensors, layout, world, rdt=None
                 )
+                if world > 1 and tensors > 1:  # row-parallel weights as blocks of columns
+                    for system in (
+                        f"{WEIGHT_API}, {shape}, {BLOCKS}",
+                        f"{WEIGHT_API}, {shape}, {BLOCKS}, {LOAD_ONLY}",
+                    ):
+                        rows += _family(ctx, system, tensors, layout, world, rdt=None, blocks=world)
             if cfg.wants(GROUP_RAY):
                 rows += _family(ctx, _name(OBJECT_STORE, world), tensors, layout, world, rdt=False)
             if cfg.wants(GROUP_RDT):
@@ -91,7 +98,13 @@ def _name(system: str, world: int) -> str:
 
 
 def _family(
-    ctx: Context, system: str, tensors: int, layout: Layout, world: int, rdt: bool | None
+    ctx: Context,
+    system: str,
+    tensors: int,
+    layout: Layout,
+    world: int,
+    rdt: bool | None,
+    blocks: int = 1,
 ) -> list[Row]:
     cfg = ctx.config
     counts = [n for n in cfg.consumers if world == 1 or n <= WORLD]
@@ -110,7 +123,7 @@ def _family(
         return family
     for row, n in zip(family, counts, strict=True):
         publish = rdt is None
-        step = _step(producer, consumers[:n], layout, world, publish, LOAD_ONLY in system)
+        step = _step(producer, consumers[:n], layout, world, publish, LOAD_ONLY in system, blocks)
         run_row(row, cfg.sync_steps, step, ctx.seed_iter)
     return family
 
@@ -128,6 +141,7 @@ def _step(
     world: int,
     publish: bool,
     loads_only: bool = False,
+    blocks: int = 1,
 ) -> Callable[[int], float]:
     key = f"{len(layout)}-{world}"
     ray.get([c.remember_layout.remote(key, layout) for c in consumers], timeout=SETUP_TIMEOUT_S)
@@ -135,12 +149,12 @@ def _step(
     def step(seed: int) -> float:
         ray.get(producer.prepare.remote(seed), timeout=SETUP_TIMEOUT_S)  # the trainer's step
         if loads_only:
-            ref = producer.publish.remote()
+            ref = producer.publish.remote(blocks)
             ray.wait([ref], timeout=TRANSFER_TIMEOUT_S)
         start = time.perf_counter()
         if publish:
             if not loads_only:
-                ref = producer.publish.remote()
+                ref = producer.publish.remote(blocks)
             loads = [
                 c.load_weights.remote(ref, seed, key, i % world, world)
                 for i, c in enumerate(consumers)

@@ -86,6 +86,8 @@ class _Spans:
     back to back, cost a few vectors. Local vectors are cheap."""
 
     def __init__(self, src: np.ndarray, dst: np.ndarray, length: np.ndarray) -> None:
+        src, dst, length = _split_long(src, dst, length)
+        self.runs = (src, dst, length)
         n = len(length)
         gap = src[1:] - (src[:-1] + length[:-1])
         short = length < _JOIN_RUN
@@ -112,12 +114,9 @@ class _Spans:
         self.byte_ends = np.cumsum(span)
 
 
-def read_remote(
-    pid: int, src: np.ndarray, dst: np.ndarray, length: np.ndarray, link: PeerMetadata
-) -> None:
-    """Copy each run (remote address ``src``, local ``dst``, ``length`` bytes) from ``pid``."""
-    src, dst, length = _split_long(src, dst, length)
-    spans = _Spans(src, dst, length)
+def read_remote(pid: int, spans: _Spans, link: PeerMetadata) -> None:
+    """Copy every run of ``spans`` from ``pid``."""
+    src, dst, length = spans.runs
     for first, last in _calls(spans.local_ends, spans.byte_ends, len(spans.first)):
         link.check_deadline()
         local_first = int(spans.local_ends[first - 1]) if first else 0
@@ -195,5 +194,9 @@ class CmaTransport(ByteTransport):
     ) -> None:
         # A pid names the producer only while it runs: a reused pid is another process.
         link.check_alive()
-        src, dst, length = ranges.runs(np.asarray(extra["ptrs"], dtype=np.int64))
-        read_remote(link.producer.pid, src, dst, length, link)
+        bases = tuple(extra["ptrs"])
+        # A weight subscriber reads the same ranges of the same slots every step.
+        spans = ranges.memo(
+            ("cma", bases), lambda: _Spans(*ranges.runs(np.asarray(bases, dtype=np.int64)))
+        )
+        read_remote(link.producer.pid, spans, link)
