@@ -89,6 +89,11 @@ class _Spans:
         src, dst, length = _split_long(src, dst, length)
         self.runs = (src, dst, length)
         n = len(length)
+        if n == 0:  # only empty tensors: no span, no system call
+            src = dst = length = np.zeros(1, dtype=np.int64)[:0]
+            self.first = self.last = self.local_ends = self.byte_ends = src
+            self.local = self.remote = np.zeros((0, 2), dtype=np.uint64)
+            return
         gap = src[1:] - (src[:-1] + length[:-1])
         short = length < _JOIN_RUN
         join = (gap >= 0) & (gap <= _JOIN_GAP) & short[:-1] & short[1:]
