@@ -186,6 +186,17 @@ def _arena_device(name: str, payload: Payload) -> str:
     return "cuda"
 
 
+def _allocatable(device: str, name: str) -> str:
+    """``device``, once this process can allocate there (before a byte moves)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise TransportUnavailableError(
+            f"the object holds CUDA tensors and this process sees no GPU, so {name!r} has "
+            "nowhere to put them: give the reading actor one (num_gpus=...), or read into "
+            "host memory with rd.get(ref, device='cpu')"
+        )
+    return device
+
+
 def fetch_tensors(
     payload: Payload,
     deadline: float | None = None,
@@ -283,7 +294,8 @@ def _receive_bytes(
     metas = payload.metas
     missing = [i for i in range(len(metas)) if i not in into]
     offsets, total = arena_layout([metas[i] for i in missing])
-    arena = allocate_bytes(total, _arena_device(name, payload)) if missing else None
+    device = _allocatable(_arena_device(name, payload), name) if missing else "cpu"
+    arena = allocate_bytes(total, device) if missing else None
     targets: list[Any] = [None] * len(metas)
     for i, off in zip(missing, offsets, strict=True):
         targets[i] = arena[off : off + metas[i].nbytes]  # type: ignore[index]

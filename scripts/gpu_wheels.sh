@@ -1,0 +1,113 @@
+#!/usr/bin/env bash
+# Builds the folder of wheels that scripts/gpu_run.sh installs on a CUDA machine
+# with no internet (docs/gpu.md). Run it here, on a machine WITH internet, from a
+# checkout (any Python 3.10+ runs pip; the wheels are for the GPU machine's Python):
+#
+#   scripts/gpu_wheels.sh [OUT_DIR]          default OUT_DIR: dist/gpu-wheels
+#
+# Environment:
+#   PYTHON_VERSION  the GPU machine's Python, major.minor (default 3.12)
+#   PLATFORMS       pip --platform tags, space-separated
+#                   (default: manylinux2014_x86_64 manylinux_2_28_x86_64)
+#   NIXL=0          leave out the optional NIXL wheels
+#   PYTHON          the interpreter that runs pip here (default python3)
+#
+# What goes in OUT_DIR: ray (the version pyproject.toml pins, repacked without its
+# Java jars and dashboard build: `zip -d ray-*.whl 'ray/jars/*'
+# 'ray/dashboard/client/build/*'`, done in Python so the wheel's RECORD stays
+# consistent), every dependency of ray[default], pyzmq, numpy, pytest and
+# pytest-timeout; raydirect itself (pip wheel --no-deps .); and in OUT_DIR/nixl
+# the optional NIXL wheels (nixl-cu12, and the small `nixl` alias that Ray's RDT
+# imports). Never torch, triton or CUDA libraries: the GPU machine keeps its own.
+# MANIFEST.txt records the Python version, platforms, commit and checksums.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+out=${1:-$here/dist/gpu-wheels}
+pyver=${PYTHON_VERSION:-3.12}
+platforms=${PLATFORMS:-manylinux2014_x86_64 manylinux_2_28_x86_64}
+python=${PYTHON:-python3}
+abi="cp${pyver/./}"
+
+# The dependency specs, as pyproject.toml writes them (e.g. "ray[default]>=2.60,<2.61").
+spec() { sed -n "s/.*\"\\($1[^\"]*\\)\".*/\\1/p" "$here/pyproject.toml" | head -n 1; }
+ray_spec=$(spec 'ray\[default\]')
+zmq_spec=$(spec 'pyzmq')
+nixl_spec=$(spec 'nixl-cu12')
+for value in "$ray_spec" "$zmq_spec" "$nixl_spec"; do
+  if [ -z "$value" ]; then
+    echo "gpu_wheels: could not read the ray, pyzmq and nixl-cu12 specs from pyproject.toml" >&2
+    exit 1
+  fi
+done
+
+mkdir -p "$out"
+rm -rf "$out"/*.whl "$out/nixl" "$out/MANIFEST.txt"
+
+platform_args=()
+for p in $platforms; do
+  platform_args+=(--platform "$p")
+done
+download() {  # download DEST PIP_ARGS...: binary wheels for the GPU machine's Python
+  local dest=$1
+  shift
+  "$python" -m pip download --quiet --dest "$dest" --only-binary=:all: \
+    --python-version "$pyver" --implementation cp --abi "$abi" "${platform_args[@]}" "$@"
+}
+
+echo "gpu_wheels: $ray_spec, $zmq_spec and their dependencies for Python $pyver ($platforms)"
+download "$out" "$ray_spec" "$zmq_spec" numpy "pytest>=8" "pytest-timeout>=2.3"
+# Nothing above needs them, but never ship a second torch or CUDA stack.
+rm -f "$out"/torch-*.whl "$out"/triton-*.whl "$out"/nvidia_*.whl
+
+echo "gpu_wheels: repacking ray without ray/jars and ray/dashboard/client/build"
+for wheel in "$out"/ray-*.whl; do
+  "$python" - "$wheel" <<'EOF'
+import os
+import sys
+import zipfile
+
+path = sys.argv[1]
+drop = ("ray/jars/", "ray/dashboard/client/build/")
+before = os.path.getsize(path)
+with zipfile.ZipFile(path) as src, zipfile.ZipFile(path + ".tmp", "w") as dst:
+    for item in src.infolist():
+        if item.filename.startswith(drop):
+            continue
+        data = src.read(item)
+        if item.filename.endswith(".dist-info/RECORD"):
+            lines = data.decode().splitlines(keepends=True)
+            data = "".join(line for line in lines if not line.startswith(drop)).encode()
+        dst.writestr(item, data)  # keeps each entry's compression and permissions
+os.replace(path + ".tmp", path)
+print(f"  {os.path.basename(path)}: {before >> 20} MiB -> {os.path.getsize(path) >> 20} MiB")
+EOF
+done
+
+echo "gpu_wheels: raydirect from $here"
+"$python" -m pip wheel --quiet --no-deps --wheel-dir "$out" "$here"
+
+if [ "${NIXL:-1}" != 0 ]; then
+  echo "gpu_wheels: NIXL ($nixl_spec, nixl) into $out/nixl"
+  mkdir -p "$out/nixl"
+  # --no-deps: nixl-cu12 needs only torch and numpy; the `nixl` alias would pull
+  # nixl-cu13 as well.
+  if ! download "$out/nixl" --no-deps "$nixl_spec" nixl; then
+    echo "gpu_wheels: warning: no NIXL wheels for Python $pyver; the NIXL tests and rows will skip" >&2
+  fi
+fi
+
+{
+  echo "python_version: $pyver"
+  echo "platforms: $platforms"
+  echo "ray: $ray_spec"
+  echo "commit: $(git -C "$here" rev-parse HEAD 2>/dev/null || echo unknown)$(
+    git -C "$here" diff --quiet HEAD -- 2>/dev/null || echo ' (with uncommitted changes)')"
+  echo "made: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "sha256:"
+  (cd "$out" && find . -name '*.whl' | sort | xargs sha256sum)
+} > "$out/MANIFEST.txt"
+
+count=$(find "$out" -name '*.whl' | wc -l)
+echo "gpu_wheels: $count wheels, $(du -sh "$out" | cut -f1), in $out"
+echo "gpu_wheels: copy $out and this checkout to the GPU machine, then run there:"
+echo "  ./dev gpu $(basename "$out")      (or: scripts/gpu_run.sh PATH/TO/$(basename "$out"))"

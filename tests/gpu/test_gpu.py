@@ -1,0 +1,621 @@
+"""raydirect on a CUDA GPU: cuda_ipc, auto, device=, into=, lifetime, faults, weight
+sync, NIXL on device memory and NCCL. Skipped, with the reason, where no GPU is.
+
+One GPU is shared by every actor here: each takes a quarter of it (``GPU_SHARE``),
+so the module's pair and the two actors a test adds fit on it together. Run on a
+GPU machine with ``./dev gpu WHEELS_DIR`` (docs/gpu.md).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import sys
+import threading
+import warnings
+from typing import Any
+
+import pytest
+import ray
+import torch
+from ray import cloudpickle
+
+import raydirect as rd
+from raydirect.testing import mismatch
+from raydirect.transports import nixl as nixl_transport
+
+from helpers import wait_for
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none"
+)
+
+# Workers cannot import the tests directory: ship this module's actor and helpers by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+MiB = 1 << 20
+GiB = 1 << 30
+GPU_SHARE = 0.25  # four actors at most on the one GPU at a time
+TIMEOUT = 120.0  # one read or call; a hang fails the test instead of the run
+DTYPES = (
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.bool,
+    torch.complex64,
+)
+CASES = ("dtypes", "views", "many", "aliasing")
+
+
+# ---------------------------------------------------------------- values
+
+
+def _of_dtype(base: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if dtype is torch.bool:
+        return base > 0
+    if dtype.is_complex:
+        return torch.complex(base, -base).to(dtype)
+    if dtype.is_floating_point:
+        return base.to(dtype)
+    scaled = base * 50
+    return (scaled.abs() if dtype is torch.uint8 else scaled).to(dtype)
+
+
+def make_value(case: str, device: str = "cuda") -> Any:
+    """A deterministic value on ``device``: made on the CPU, then moved, so every
+    process builds the same bytes; views are taken on ``device`` itself."""
+    g = torch.Generator().manual_seed(11)
+    base = torch.randn(64, 32, generator=g)
+    if case == "dtypes":
+        value = {str(d).removeprefix("torch."): _of_dtype(base, d).to(device) for d in DTYPES}
+        value["zero_d"] = torch.tensor(3.5, device=device)
+        value["empty"] = torch.empty(0, 5, device=device)
+        return value
+    if case == "views":
+        on = base.to(device)
+        storage = torch.arange(4096, dtype=torch.float32).to(device)
+        return {
+            "transposed": on.t(),  # non-contiguous
+            "strided": on[::3, 1::2],  # non-contiguous, storage offset
+            "row": on[7],  # contiguous, storage offset
+            "slice_of_big": storage[100:140],  # 40 elements of a 4096-element storage
+            "block": storage.view(64, 64)[5:9, 10:50],  # non-contiguous, offset
+            "expanded": torch.ones(3, 1, device=device).expand(3, 4),  # stride 0
+        }
+    if case == "many":  # 100 tensors of several sizes and dtypes, nested in lists and dicts
+        layers = [
+            {
+                "w": torch.full((i % 7 + 1, 33), float(i)).to(device),
+                "b": torch.arange(i + 1, dtype=torch.int64).to(device),
+            }
+            for i in range(50)
+        ]
+        return {"layers": layers, "config": {"step": 3, "name": "many"}}
+    if case == "aliasing":
+        t = base.to(device).clone()
+        return {"a": t, "b": t, "nested": [t, (t, {"deep": t})], "other": t + 1}
+    raise ValueError(case)
+
+
+def tensors_of(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        return [t for v in value.values() for t in tensors_of(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in tensors_of(v)]
+    return []
+
+
+def check(case: str, got: Any, device: str = "cuda") -> str | None:
+    """None when ``got`` is ``case``'s value, exactly, with every tensor on ``device``."""
+    kind = torch.device(device).type
+    wrong = sorted({str(t.device) for t in tensors_of(got) if t.device.type != kind})
+    if wrong:  # checked first: comparing tensors on two devices raises
+        return f"tensors arrived on {wrong}, expected {device}"
+    problem = mismatch(got, make_value(case, device))
+    if problem is None and case == "aliasing":
+        one = got["a"]
+        if not (one is got["b"] is got["nested"][0] is got["nested"][1][1]["deep"]):
+            problem = "the same tensor arrived as several tensors"
+    return problem
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    """A small model on the GPU: float32 and bfloat16 parameters and an int64 buffer."""
+    g = torch.Generator().manual_seed(seed)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(64, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 64)
+    )
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g))
+    model[2].to(torch.bfloat16)
+    model.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+    return model.cuda()
+
+
+def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    return {k: after[k] - before.get(k, 0) for k in after if after[k] != before.get(k, 0)}
+
+
+def _error(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+# ---------------------------------------------------------------- the actor
+
+
+@ray.remote(num_cpus=0, num_gpus=GPU_SHARE)
+class Peer:
+    """Producer and reader in one class; the tests pick which role each plays."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, torch.Tensor] = {}
+        self.warnings: list[str] = []
+        self.reads: dict[str, Any] = {}
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def sees_gpu(self) -> bool:
+        return torch.cuda.is_available()
+
+    def stats(self) -> rd.LocalStats:
+        return rd.local_stats()
+
+    def memory(self) -> int:
+        """CUDA memory this process has allocated (tensors alive), after a collection."""
+        gc.collect()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    # -- producing
+    def put(self, case: str, transport: str = "auto", device: str = "cuda") -> list:
+        # Wrapped in a list so the caller receives the ref itself, not its value.
+        return [rd.put(make_value(case, device), transport)]
+
+    @rd.method
+    def value(self, case: str) -> Any:
+        return make_value(case)
+
+    @rd.method
+    def sized(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), 3, dtype=torch.uint8, device="cuda")  # not kept here
+
+    @rd.method
+    def arange(self, numel: int) -> torch.Tensor:
+        return torch.arange(numel, dtype=torch.int32, device="cuda")
+
+    @rd.method
+    def keep(self, key: str, numel: int = 1 << 20) -> torch.Tensor:
+        self.kept[key] = torch.arange(numel, dtype=torch.float32, device="cuda")
+        return self.kept[key]
+
+    def write_in_place(self, key: str) -> None:
+        self.kept[key].add_(1)
+        torch.cuda.synchronize()
+
+    def wait_freed(self, key: str, timeout: float) -> str:
+        try:
+            rd.wait_tensor_freed(self.kept[key], timeout=timeout)
+            return "freed"
+        except TimeoutError as exc:
+            return f"timeout: {exc}"
+
+    def record_warnings(self) -> None:
+        warnings.simplefilter("always")
+
+        def hook(message, category, *args, **kwargs):
+            self.warnings.append(f"{category.__name__}: {message}")
+
+        warnings.showwarning = hook
+
+    def recorded_warnings(self) -> list[str]:
+        return list(self.warnings)
+
+    def slow_put(self, numel: int, cycles: int) -> tuple[list, bool]:
+        """A tensor whose last write is still queued behind a long kernel on this
+        process's stream when it is exported; and whether the stream was idle then."""
+        t = torch.zeros(numel, dtype=torch.int32, device="cuda")
+        torch.cuda._sleep(cycles)
+        t.fill_(7)
+        ref = rd.put(t, "cuda_ipc")
+        return [ref], torch.cuda.current_stream().query()
+
+    # -- reading
+    def read(self, case: str, refs: list, want: str = "cuda", **options: Any) -> dict:
+        """``rd.get(refs[0], **options)``: what arrived, and over which transports."""
+        before = dict(rd.local_stats().objects_received)
+        got = rd.get(refs[0], timeout=TIMEOUT, **options)
+        return {
+            "problem": check(case, got, want),
+            "received": _delta(before, rd.local_stats().objects_received),
+        }
+
+    def read_arg(self, case: str, value: Any) -> str | None:
+        """The value Ray (and raydirect's rebuild) resolved as a task argument."""
+        return check(case, value)
+
+    def read_with_target(self, case: str, refs: list, want: str, **target: Any) -> dict:
+        """``rd.set_target(ref, ...)``, then the read Ray makes (``ray.get``)."""
+        rd.set_target(refs[0], **target)
+        got = ray.get(refs[0], timeout=TIMEOUT)
+        return {"problem": check(case, got, want)}
+
+    def read_into(self, case: str, refs: list, how: str = "rd.get") -> dict:
+        """Receive into this actor's own CUDA tensors, shaped like the value's."""
+        want = make_value(case)
+        targets = {k: torch.empty(v.shape, dtype=v.dtype, device="cuda") for k, v in want.items()}
+        pointers = {k: t.data_ptr() for k, t in targets.items()}
+        if how == "rd.get":
+            got = rd.get(refs[0], into=targets, timeout=TIMEOUT)
+        else:
+            rd.set_target(refs[0], into=targets)
+            got = ray.get(refs[0], timeout=TIMEOUT)
+        return {
+            "problem": check(case, got),
+            "targets_returned": all(got[k] is targets[k] for k in targets),
+            "same_memory": all(got[k].data_ptr() == pointers[k] for k in targets),
+        }
+
+    def try_read(self, refs: list, **options: Any) -> str:
+        try:
+            rd.get(refs[0], timeout=TIMEOUT, **options)
+        except Exception as exc:
+            return _error(exc) + (" [RaydirectError]" if isinstance(exc, rd.RaydirectError) else "")
+        return "ok"
+
+    def read_all_sevens(self, refs: list) -> bool:
+        got = rd.get(refs[0], timeout=TIMEOUT)
+        return bool((got == 7).all())
+
+    def read_and_measure(self, refs: list) -> dict:
+        """CUDA memory while the received tensor is alive, and after it is dropped."""
+        got = rd.get(refs[0], timeout=TIMEOUT)
+        while_held = self.memory()
+        ok = bool((got == 3).all())
+        del got
+        return {"ok": ok, "while_held": while_held, "after": self.memory()}
+
+    def start_reading(self, refs: list, numel: int) -> None:
+        """Read ``refs[0]`` (``arange(numel)``, int32) into one CUDA tensor again and
+        again on a thread of its own, checking each read, until a read fails."""
+        self.reads = {"ok": 0, "bad": 0, "error": None}
+        target = torch.empty(numel, dtype=torch.int32, device="cuda")
+        expected_sum = numel * (numel - 1) // 2
+
+        def loop() -> None:
+            while True:
+                try:
+                    got = rd.get(refs[0], into=target, timeout=60)
+                    good = (
+                        got is target
+                        and int(target[-1]) == numel - 1
+                        and int(target.sum(dtype=torch.int64)) == expected_sum
+                    )
+                except Exception as exc:
+                    self.reads["error"] = _error(exc)
+                    return
+                self.reads["ok" if good else "bad"] += 1
+
+        threading.Thread(target=loop, name="reader", daemon=True).start()
+
+    def reading(self) -> dict:
+        return dict(self.reads)
+
+    # -- weight sync
+    def make_source(self, seed: int) -> None:
+        self.source = make_model(seed)
+        self.publisher = rd.WeightPublisher(self.source)
+
+    def publish(self, version: int) -> rd.WeightsHandle:
+        return self.publisher.publish(version, timeout=TIMEOUT)
+
+    def step(self) -> None:
+        with torch.no_grad():
+            for p in self.source.parameters():
+                p.add_(0.5)
+            self.source.steps += 1
+
+    def source_state(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().cpu() for k, v in self.source.state_dict().items()}
+
+    def make_target(self, seed: int) -> None:
+        self.target = make_model(seed)
+        self.identity = {
+            k: (id(v), v.data_ptr()) for k, v in self.target.state_dict(keep_vars=True).items()
+        }
+        self.subscriber = rd.WeightSubscriber(self.target)
+
+    def load(self, handle: rd.WeightsHandle) -> dict:
+        before = dict(rd.local_stats().objects_received)
+        version = self.subscriber.load(handle, timeout=TIMEOUT)
+        state = self.target.state_dict(keep_vars=True)
+        return {
+            "version": version,
+            "same_tensors": {k: (id(v), v.data_ptr()) for k, v in state.items()} == self.identity,
+            "state": {k: v.detach().cpu() for k, v in state.items()},
+            "received": _delta(before, rd.local_stats().objects_received),
+        }
+
+
+def _kill(*actors: Any) -> None:
+    for actor in actors:
+        ray.kill(actor)
+
+
+# ---------------------------------------------------------------- NCCL (first: whole GPUs)
+
+
+# Runs before the module's pair takes its share of GPU 0, so that on a machine of
+# two GPUs both are free for the two ranks.
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL refuses two ranks on one device")
+def test_nccl_between_two_gpus(ray_session):
+    if ray.available_resources().get("GPU", 0) < 2:
+        pytest.skip("needs two whole free GPUs in Ray for the two NCCL ranks")
+    a, b = Peer.options(num_gpus=1).remote(), Peer.options(num_gpus=1).remote()
+    name = rd.create_collective_group([a, b], backend="nccl")
+    try:
+        for case in ("dtypes", "views"):
+            [ref] = ray.get(a.put.remote(case, "nccl"))
+            result = ray.get(b.read.remote(case, [ref]), timeout=TIMEOUT)
+            assert result == {"problem": None, "received": {"nccl": 1}}, result
+    finally:
+        rd.destroy_collective_group(name)
+        _kill(a, b)
+
+
+# ---------------------------------------------------------------- cuda_ipc and auto
+
+
+@pytest.fixture(scope="module")
+def gpu_pair(ray_session):
+    """A producer and a reader on the one GPU, shared by the module's tests."""
+    p, r = Peer.remote(), Peer.remote()
+    assert ray.get([p.sees_gpu.remote(), r.sees_gpu.remote()]) == [True, True]
+    yield p, r
+    _kill(p, r)
+
+
+@pytest.mark.parametrize("transport", ["cuda_ipc", "auto"])
+@pytest.mark.parametrize("case", CASES)
+def test_values_round_trip_exactly(gpu_pair, case, transport):
+    """Every dtype torch has on CUDA, views and non-contiguous tensors, 100 tensors
+    in one value, one tensor under several names; ``auto`` picks cuda_ipc."""
+    p, r = gpu_pair
+    [ref] = ray.get(p.put.remote(case, transport))
+    result = ray.get(r.read.remote(case, [ref]), timeout=TIMEOUT)
+    assert result == {"problem": None, "received": {"cuda_ipc": 1}}, result
+
+
+def test_a_method_result_as_a_task_argument(gpu_pair):
+    p, r = gpu_pair
+    before = ray.get(r.stats.remote()).objects_received.get("cuda_ipc", 0)
+    for case in CASES:
+        assert ray.get(r.read_arg.remote(case, p.value.remote(case)), timeout=TIMEOUT) is None
+    assert ray.get(r.stats.remote()).objects_received.get("cuda_ipc", 0) == before + len(CASES)
+
+
+def test_the_driver_reads_cuda_tensors(gpu_pair):
+    p, _ = gpu_pair
+    ref = p.value.remote("dtypes")
+    before = rd.local_stats().objects_received.get("cuda_ipc", 0)
+    assert check("dtypes", rd.get(ref, timeout=TIMEOUT)) is None
+    assert check("dtypes", ray.get(ref, timeout=TIMEOUT)) is None
+    assert rd.local_stats().objects_received.get("cuda_ipc", 0) == before + 2
+
+
+def test_queued_writes_finish_before_the_copy(gpu_pair):
+    """The producer's last write is still queued behind a ~1 s kernel when the
+    object is made; the reader must see it done, never the zeros before it."""
+    if not hasattr(torch.cuda, "_sleep"):
+        pytest.skip("this torch has no torch.cuda._sleep to hold the producer's stream")
+    p, r = gpu_pair
+    refs, stream_idle = ray.get(p.slow_put.remote(16 * MiB, 2_000_000_000))
+    assert stream_idle is False, (
+        "the producer's stream was idle when the object was made: something synchronized, "
+        "or the sleep was too short for this GPU"
+    )
+    assert ray.get(r.read_all_sevens.remote(refs), timeout=TIMEOUT) is True
+
+
+# ---------------------------------------------------------------- into= and device=
+
+
+@pytest.mark.parametrize("how", ["rd.get", "set_target"])
+def test_into_preallocated_cuda_tensors(gpu_pair, how):
+    p, r = gpu_pair
+    [ref] = ray.get(p.put.remote("dtypes", "auto"))
+    result = ray.get(r.read_into.remote("dtypes", [ref], how), timeout=TIMEOUT)
+    assert result == {"problem": None, "targets_returned": True, "same_memory": True}, result
+
+
+@pytest.mark.parametrize("case", ["dtypes", "views"])
+def test_device_cpu_receives_a_cuda_producers_tensors_into_host_memory(gpu_pair, case):
+    p, r = gpu_pair
+    [ref] = ray.get(p.put.remote(case, "auto"))
+    result = ray.get(r.read.remote(case, [ref], "cpu", device="cpu"), timeout=TIMEOUT)
+    assert result == {"problem": None, "received": {"cuda_ipc": 1}}, result  # no staging copy
+    [ref] = ray.get(p.put.remote(case, "auto"))
+    result = ray.get(r.read_with_target.remote(case, [ref], "cpu", device="cpu"))
+    assert result == {"problem": None}, result
+
+
+@pytest.mark.parametrize("case", ["dtypes", "views"])
+def test_device_cuda_receives_a_cpu_producers_tensors_onto_the_gpu(gpu_pair, case):
+    p, r = gpu_pair
+    [ref] = ray.get(p.put.remote(case, "auto", "cpu"))
+    result = ray.get(r.read.remote(case, [ref], "cuda", device="cuda:0"), timeout=TIMEOUT)
+    assert result["problem"] is None, result
+    assert sum(result["received"].values()) == 1, result
+    assert set(result["received"]) <= {"cma", "shm"}, result  # a CPU path, then one copy
+    [ref] = ray.get(p.put.remote(case, "auto", "cpu"))
+    result = ray.get(r.read_with_target.remote(case, [ref], "cuda", device="cuda:0"))
+    assert result == {"problem": None}, result
+
+
+def test_an_actor_without_gpus_reads_cuda_tensors_into_host_memory(gpu_pair):
+    """Ray 2.60 leaves CUDA_VISIBLE_DEVICES alone for num_gpus=0 actors
+    (ray-project/ray#54868), so such an actor still sees the GPU and cuda_ipc copies
+    straight into its host memory."""
+    p, _ = gpu_pair
+    c = Peer.options(num_gpus=0).remote()
+    try:
+        assert ray.get(c.sees_gpu.remote()) is True, (
+            "this Ray hides the GPU from num_gpus=0 actors; the next test covers that case"
+        )
+        [ref] = ray.get(p.put.remote("dtypes", "auto"))
+        result = ray.get(c.read.remote("dtypes", [ref], "cpu", device="cpu"), timeout=TIMEOUT)
+        assert result == {"problem": None, "received": {"cuda_ipc": 1}}, result
+    finally:
+        _kill(c)
+
+
+# This path cannot work: a process that sees no GPU cannot open CUDA IPC handles.
+# What is tested is that it fails clearly. Ray 2.60 hides the GPU from a num_gpus=0
+# actor only with RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO=1 (older Rays always did);
+# CUDA_VISIBLE_DEVICES="" models that here.
+@pytest.mark.parametrize("options", [{"device": "cpu"}, {}], ids=["device=cpu", "plain"])
+def test_an_actor_that_sees_no_gpu_gets_an_error_naming_the_fix(gpu_pair, options):
+    """The read ends in a raydirect error that names num_gpus, not a hang or a bare
+    CUDA error, whether or not the reader asked for device="cpu"."""
+    p, _ = gpu_pair
+    hidden = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+    c = Peer.options(num_gpus=0, runtime_env=hidden).remote()
+    try:
+        assert ray.get(c.sees_gpu.remote()) is False
+        [ref] = ray.get(p.put.remote("dtypes", "auto"))
+        message = ray.get(c.try_read.remote([ref], **options), timeout=TIMEOUT)
+        assert message.endswith("[RaydirectError]") and "num_gpus" in message, message
+    finally:
+        _kill(c)
+
+
+# ---------------------------------------------------------------- lifetime
+
+
+def test_in_place_write_warns_and_wait_tensor_freed_waits(gpu_pair):
+    p, r = gpu_pair
+    ray.get(p.record_warnings.remote())
+    ref = p.keep.remote("mut")
+    ray.wait([ref])
+    assert ray.get(p.wait_freed.remote("mut", 0.2)).startswith("timeout: tensor still held")
+    ray.get(p.write_in_place.remote("mut"))
+    assert ray.get(r.try_read.remote([ref]), timeout=TIMEOUT) == "ok"
+    found = wait_for(
+        lambda: [w for w in ray.get(p.recorded_warnings.remote()) if "modified in place" in w],
+        what="the mutation warning",
+    )
+    assert "wait_tensor_freed" in found[0] and "keep" in found[0]
+    del ref
+    assert ray.get(p.wait_freed.remote("mut", 30)) == "freed"
+
+
+def _store_empty(p: Any) -> bool:
+    return ray.get(p.stats.remote()).num_objects == 0
+
+
+def test_cuda_memory_returns_to_its_baseline_in_both_processes(gpu_pair):
+    """A CUDA object read three times frees its memory in both processes."""
+    p, r = gpu_pair
+    wait_for(lambda: _store_empty(p), timeout=60, what="the producer's store empty")
+    base_p, base_r = ray.get([p.memory.remote(), r.memory.remote()])
+    size = 256 * MiB
+    ref = p.sized.remote(size)
+    # Read three times: PyTorch's own IPC count, left on, would go wrong after one.
+    for _ in range(3):
+        measured = ray.get(r.read_and_measure.remote([ref]), timeout=TIMEOUT)
+        assert measured["ok"], measured
+        assert measured["while_held"] >= base_r + size, (base_r, measured)  # the copy was there
+        assert measured["after"] <= base_r, (base_r, measured)
+    assert ray.get(p.memory.remote()) >= base_p + size  # the producer holds it for the ref
+    del ref
+    wait_for(
+        lambda: ray.get(p.memory.remote()) <= base_p,
+        timeout=60,
+        what=f"the producer's CUDA memory back to {base_p} bytes",
+    )
+
+
+def test_cuda_memory_of_an_object_nobody_read_is_released(gpu_pair):
+    p, _ = gpu_pair
+    wait_for(lambda: _store_empty(p), timeout=60, what="the producer's store empty")
+    base = ray.get(p.memory.remote())
+    ref = p.sized.remote(256 * MiB)
+    ray.wait([ref])
+    assert ray.get(p.memory.remote()) >= base + 256 * MiB
+    del ref
+    wait_for(
+        lambda: ray.get(p.memory.remote()) <= base,
+        timeout=60,
+        what=f"the producer's CUDA memory back to {base} bytes",
+    )
+
+
+def _failed(reader: Any) -> dict | None:
+    state = ray.get(reader.reading.remote())
+    return state if state["error"] else None
+
+
+def test_a_producer_killed_during_2_gib_reads_gives_a_clear_error(gpu_pair):
+    """A reader reads a 2 GiB CUDA tensor again and again while its producer is
+    killed: every read that finished was exact, and the first one after the kill
+    ends in ProducerLostError or TransferError within the deadline, not a hang."""
+    numel = 2 * GiB // 4
+    p, r = Peer.remote(), Peer.remote()
+    try:
+        ref = p.arange.remote(numel)
+        ray.wait([ref])
+        ray.get(r.start_reading.remote([ref], numel))
+        wait_for(
+            lambda: ray.get(r.reading.remote())["ok"] >= 2, timeout=TIMEOUT, what="two good reads"
+        )
+        os.kill(ray.get(p.pid.remote()), signal.SIGKILL)
+        # Longer than the reads' own 60 s deadline: a read that hangs until then fails
+        # below as a FetchTimeoutError instead of here.
+        state = wait_for(lambda: _failed(r), timeout=90, what="the reader's error after the kill")
+        assert state["bad"] == 0, state
+        assert state["error"].split(":")[0] in ("ProducerLostError", "TransferError"), state
+    finally:
+        _kill(p, r)
+
+
+# ---------------------------------------------------------------- weight sync
+
+
+def test_weight_sync_into_cuda_parameters(gpu_pair):
+    p, r = gpu_pair
+    ray.get([p.make_source.remote(1), r.make_target.remote(2)])
+    for version in (1, 2):
+        if version == 2:
+            ray.get(p.step.remote())  # in place, after version 1 was published
+        result = ray.get(r.load.remote(p.publish.remote(version)), timeout=TIMEOUT)
+        want = ray.get(p.source_state.remote())
+        assert result["version"] == version
+        assert result["same_tensors"] is True  # the parameters themselves were written
+        assert result["received"] == {"cuda_ipc": 1}, result  # one object per version
+        assert set(result["state"]) == set(want)
+        for name, tensor in want.items():
+            got = result["state"][name]
+            assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+
+
+# ---------------------------------------------------------------- NIXL on device memory
+
+
+@pytest.mark.parametrize("case", ["dtypes", "views"])
+def test_nixl_on_device_memory(gpu_pair, case):
+    if not nixl_transport.available():
+        pytest.skip(f"NIXL is not installed ({nixl_transport.INSTALL_HINT})")
+    p, r = gpu_pair
+    [ref] = ray.get(p.put.remote(case, "nixl"))
+    result = ray.get(r.read.remote(case, [ref]), timeout=TIMEOUT)
+    assert result == {"problem": None, "received": {"nixl": 1}}, result
