@@ -8,8 +8,13 @@
 # Environment:
 #   PYTHON_VERSION  the GPU machine's Python, major.minor (default 3.12)
 #   PLATFORMS       pip --platform tags, space-separated
-#                   (default: manylinux2014_x86_64 manylinux_2_28_x86_64)
+#                   (default: manylinux2014_x86_64 manylinux_2_17/27/28_x86_64)
 #   NIXL=0          leave out the optional NIXL wheels
+#   NIXL_CUDA       12 or 13: the CUDA major of the GPU machine's torch (default 12)
+#   SET=device      only what the workplace's GPU machine lacks (docs/gpu.md, "On the
+#                   workplace's GPU machine"): ray repacked, pyzmq, jsonschema and its
+#                   three dependencies, raydirect; everything --no-deps. 47 MiB, under
+#                   the 64 MiB one device call carries; NIXL (56 MiB) goes in a second call
 #   PYTHON          the interpreter that runs pip here (default python3)
 #
 # What goes in OUT_DIR: ray (the version pyproject.toml pins, repacked without its
@@ -24,7 +29,7 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-$here/dist/gpu-wheels}
 pyver=${PYTHON_VERSION:-3.12}
-platforms=${PLATFORMS:-manylinux2014_x86_64 manylinux_2_28_x86_64}
+platforms=${PLATFORMS:-manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_27_x86_64 manylinux_2_28_x86_64}
 python=${PYTHON:-python3}
 abi="cp${pyver/./}"
 
@@ -33,6 +38,7 @@ spec() { sed -n "s/.*\"\\($1[^\"]*\\)\".*/\\1/p" "$here/pyproject.toml" | head -
 ray_spec=$(spec 'ray\[default\]')
 zmq_spec=$(spec 'pyzmq')
 nixl_spec=$(spec 'nixl-cu12')
+nixl_spec=${nixl_spec/cu12/cu${NIXL_CUDA:-12}}
 for value in "$ray_spec" "$zmq_spec" "$nixl_spec"; do
   if [ -z "$value" ]; then
     echo "gpu_wheels: could not read the ray, pyzmq and nixl-cu12 specs from pyproject.toml" >&2
@@ -54,8 +60,15 @@ download() {  # download DEST PIP_ARGS...: binary wheels for the GPU machine's P
     --python-version "$pyver" --implementation cp --abi "$abi" "${platform_args[@]}" "$@"
 }
 
-echo "gpu_wheels: $ray_spec, $zmq_spec and their dependencies for Python $pyver ($platforms)"
-download "$out" "$ray_spec" "$zmq_spec" numpy "pytest>=8" "pytest-timeout>=2.3"
+if [ "${SET:-full}" = device ]; then
+  # The GPU machine has Ray's other dependencies, numpy and pytest (its KINDS.md list).
+  echo "gpu_wheels: ${ray_spec%%\[*}, $zmq_spec and jsonschema for Python $pyver, no dependencies"
+  download "$out" --no-deps "ray${ray_spec#ray\[default\]}" "$zmq_spec" jsonschema \
+    jsonschema-specifications referencing rpds-py
+else
+  echo "gpu_wheels: $ray_spec, $zmq_spec and their dependencies for Python $pyver ($platforms)"
+  download "$out" "$ray_spec" "$zmq_spec" numpy "pytest>=8" "pytest-timeout>=2.3"
+fi
 # Nothing above needs them, but never ship a second torch or CUDA stack.
 rm -f "$out"/torch-*.whl "$out"/triton-*.whl "$out"/nvidia_*.whl
 
@@ -87,11 +100,13 @@ echo "gpu_wheels: raydirect from $here"
 "$python" -m pip wheel --quiet --no-deps --wheel-dir "$out" "$here"
 
 if [ "${NIXL:-1}" != 0 ]; then
-  echo "gpu_wheels: NIXL ($nixl_spec, nixl) into $out/nixl"
+  alias_pkg=nixl  # the small package Ray's RDT imports
+  [ "${SET:-full}" = device ] && alias_pkg=  # one device call's 64 MiB holds nixl-cu1x alone
+  echo "gpu_wheels: NIXL ($nixl_spec${alias_pkg:+, $alias_pkg}) into $out/nixl"
   mkdir -p "$out/nixl"
-  # --no-deps: nixl-cu12 needs only torch and numpy; the `nixl` alias would pull
-  # nixl-cu13 as well.
-  if ! download "$out/nixl" --no-deps "$nixl_spec" nixl; then
+  # --no-deps: nixl-cu1x needs only torch and numpy; the `nixl` alias would pull
+  # another CUDA variant as well.
+  if ! download "$out/nixl" --no-deps "$nixl_spec" $alias_pkg; then
     echo "gpu_wheels: warning: no NIXL wheels for Python $pyver; the NIXL tests and rows will skip" >&2
   fi
 fi

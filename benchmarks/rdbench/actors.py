@@ -305,13 +305,17 @@ class CheckingConsumer:
         return asdict(rd.local_stats())
 
     # ---- workload 6: weight sync through the weight API, and the same job done by hand
-    def _targets(self, layout: Layout, rank: int, world: int) -> dict[str, torch.Tensor]:
+    def _targets(self, key: str, rank: int, world: int) -> dict[str, torch.Tensor]:
+        """This consumer's own tensors for layout ``key`` (a shard of each when
+        ``world`` > 1), kept across steps; found by key (comparing a 5,000-entry
+        layout would cost a millisecond a step)."""
+        layout = self._layouts[key]
         if world == 1:
             return self.buffers(layout)
-        key = (tuple(layout.items()), rank, world)
-        if getattr(self, "_shards", (None,))[0] != key:
+        if getattr(self, "_shards", (None,))[0] != (key, rank, world):
             shapes = {n: sharded_shape(n, s, rank, world) for n, s in layout.items()}
-            self._shards = (key, {n: torch.zeros(s, dtype=DTYPE) for n, s in shapes.items()})
+            targets = {n: torch.zeros(s, dtype=DTYPE) for n, s in shapes.items()}
+            self._shards = ((key, rank, world), targets)
         return self._shards[1]
 
     def remember_layout(self, key: str, layout: Layout) -> None:
@@ -319,25 +323,23 @@ class CheckingConsumer:
         every step would cost each consumer ~10 ms to unpickle, for every system."""
         self._layouts = {key: layout}
 
-    def load_weights(self, handle: Any, seed: int, key: str, rank: int, world: int) -> int:
+    def load_weights(self, handle: Any, key: str, rank: int, world: int) -> None:
         """rd.WeightSubscriber into this consumer's own tensors (a shard of each when
-        ``world`` > 1); checks them; returns the bytes it holds."""
-        layout = self._layouts[key]
-        targets = self._targets(layout, rank, world)
+        ``world`` > 1); ``check_targets`` checks them afterwards, untimed."""
+        targets = self._targets(key, rank, world)
         handle = ray.get(handle) if isinstance(handle, ray.ObjectRef) else handle
-        key = (id(targets), rank, world, handle.layout.token)  # a new publisher: a new subscriber
-        if getattr(self, "_sub", (None,))[0] != key:
+        sub_key = (id(targets), rank, world, handle.layout.token)  # a new publisher: a new one
+        if getattr(self, "_sub", (None,))[0] != sub_key:
             shard = (lambda n, s: shard_of(n, s, rank, world)) if world > 1 else None
-            self._sub = (key, rd.WeightSubscriber(targets, shard=shard))
+            self._sub = (sub_key, rd.WeightSubscriber(targets, shard=shard))
         self._sub[1].load(handle, timeout=TRANSFER_TIMEOUT_S)
-        return check_shards(targets, layout, seed, rank, world)
 
-    def copy_state(self, state: Any, seed: int, key: str, rank: int, world: int) -> int:
+    def copy_state(self, state: Any, key: str, rank: int, world: int) -> None:
         """What users write with Ray's object store or RDT: the whole dict arrives as
         a task argument, then each tensor (or this rank's slice of it) is copied
         into the consumer's own tensors, as ``load_state_dict`` does."""
         layout = self._layouts[key]
-        targets = self._targets(layout, rank, world)
+        targets = self._targets(key, rank, world)
         for name, target in targets.items():
             spec = shard_of(name, layout[name], rank, world) if world > 1 else None
             source = (
@@ -346,7 +348,13 @@ class CheckingConsumer:
                 else state[name].narrow(spec[0], spec[1], spec[2] - spec[1])
             )
             target.copy_(source)
-        return check_shards(targets, layout, seed, rank, world)
+
+    def check_targets(self, seed: int, key: str, rank: int, world: int) -> int:
+        """Check what the last step left in this consumer's tensors (sampled: at
+        5,000 tensors a check costs ~10 ms, which would weigh on every row's timing
+        and more on many tensors than on one); returns the bytes it holds."""
+        targets = self._targets(key, rank, world)
+        return check_shards(targets, self._layouts[key], seed, rank, world)
 
 
 Consumer: Any = ray.remote(num_cpus=ACTOR_NUM_CPUS)(CheckingConsumer)

@@ -156,17 +156,19 @@ def _step(
             if not loads_only:
                 ref = producer.publish.remote(blocks)
             loads = [
-                c.load_weights.remote(ref, seed, key, i % world, world)
-                for i, c in enumerate(consumers)
+                c.load_weights.remote(ref, key, i % world, world) for i, c in enumerate(consumers)
             ]
         else:
             ref = producer.state.remote()
             loads = [
-                c.copy_state.remote(ref, seed, key, i % world, world)
-                for i, c in enumerate(consumers)
+                c.copy_state.remote(ref, key, i % world, world) for i, c in enumerate(consumers)
             ]
-        got = ray.get(loads, timeout=TRANSFER_TIMEOUT_S)
+        ray.get(loads, timeout=TRANSFER_TIMEOUT_S)
         seconds = time.perf_counter() - start
+        checks = [
+            c.check_targets.remote(seed, key, i % world, world) for i, c in enumerate(consumers)
+        ]
+        got = ray.get(checks, timeout=TRANSFER_TIMEOUT_S)
         want = [
             _delivered(layout, 1, 1) if world == 1 else shard_bytes(layout, i % world, world)
             for i in range(len(consumers))
