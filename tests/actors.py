@@ -490,13 +490,15 @@ class TensorParallel:
 
 class ColumnBlocks:
     """shard_blocks for ``world`` ranks: row-parallel weights stored as one block of
-    columns per rank."""
+    columns per rank (and with ``rows``, column-parallel ones as blocks of rows)."""
 
-    def __init__(self, world: int) -> None:
-        self.world = world
+    def __init__(self, world: int, rows: bool = False) -> None:
+        self.world, self.rows = world, rows
 
     def __call__(self, name: str, full_shape: tuple[int, ...]) -> tuple[int, int] | None:
-        return (1, self.world) if name.startswith("rowpar") else None
+        if name.startswith("rowpar"):
+            return (1, self.world)
+        return (0, self.world) if self.rows and name.startswith("colpar") else None
 
 
 @ray.remote(num_cpus=0)

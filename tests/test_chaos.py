@@ -14,6 +14,8 @@ import pytest
 DRIVER = Path(__file__).with_name("chaos_driver.py")
 SECONDS = float(os.environ.get("RAYDIRECT_CHAOS_S", "20"))
 FD_SLACK = 8  # cached channels and pooled stream connections to restarted producers
+# The run, then Ray's start and stop around it (the suite's default is 300 s).
+pytestmark = pytest.mark.timeout(SECONDS + 660)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import math
 import os
 import signal
+from typing import Any
 
 import pytest
 import ray
@@ -120,14 +122,33 @@ def test_four_tensor_parallel_consumers_get_exactly_their_slices(ray_session):
         ray.kill(actor)
 
 
-def test_column_blocks_give_each_rank_one_run_and_everyone_the_right_values(ray_session):
-    """shard_blocks=: row-parallel weights stored as one block of columns per rank.
-    Ranks of the same world read exactly their bytes; a whole load and a 2-way
-    shard (two blocks each) rearrange what they read and get the same values."""
-    t = Trainer.remote(COUNT, shard_blocks=ColumnBlocks(4))
+def _rank_regions(layout: Any, parts: int) -> list[list[tuple[int, int]]]:
+    """Per rank, the (start, end) bytes of its block of each blocked tensor."""
+    regions: list[list[tuple[int, int]]] = [[] for _ in range(parts)]
+    for i, shape in enumerate(layout.shapes):
+        if layout.block_of(i) is not None:
+            one = math.prod(shape) * 4 // parts  # float32
+            for k in range(parts):
+                start = layout.offsets[i] + k * layout.block_stride(i)
+                regions[k].append((start, start + one))
+    return regions
+
+
+@pytest.mark.parametrize("rows", [False, True], ids=["columns", "columns-and-rows"])
+def test_column_blocks_give_each_rank_one_run_and_everyone_the_right_values(ray_session, rows):
+    """shard_blocks=: row-parallel weights stored as one block of columns per rank
+    (and column-parallel ones as blocks of rows), each rank's blocks of every
+    tensor back to back in the slot. Ranks of the same world read exactly their
+    bytes; a whole load and a 2-way shard (two blocks each) rearrange what they
+    read and get the same values."""
+    t = Trainer.remote(COUNT, shard_blocks=ColumnBlocks(4, rows=rows))
     ranks = [Inference.remote(COUNT, rank=r, world=4) for r in range(4)]
     whole, half = Inference.remote(COUNT), Inference.remote(COUNT, rank=1, world=2)
     handle = t.publish.remote(1)
+    for blocks in _rank_regions(ray.get(handle).layout, 4):  # one region per rank
+        assert len(blocks) == COUNT // 3 * (2 if rows else 1), blocks
+        for (_, end), (start, _) in zip(blocks, blocks[1:], strict=False):
+            assert start == (end + 63) // 64 * 64, blocks  # the next cache line
     assert ray.get([r.load.remote(handle) for r in (*ranks, whole, half)]) == [1] * 6
     full = make_weights(COUNT)
     for rank, r in enumerate(ranks):

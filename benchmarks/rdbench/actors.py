@@ -37,7 +37,7 @@ from rdbench.common import (
     fill_pattern,
     part_seed,
 )
-from rdbench.shards import ColumnBlocks, check_shards, shard_of, sharded_shape
+from rdbench.shards import RankBlocks, check_shards, shard_of, sharded_shape
 
 RAYDIRECT_TRANSPORTS = ("auto", "cma", "shm", "tcp", "gloo", "nixl")
 POOL_ENV = "RAYDIRECT_RECV_POOL_BYTES"  # raydirect's receive-buffer pool cap
@@ -137,13 +137,13 @@ class _Producer(PatternSource):
 
     def publish(self, blocks: int = 1) -> Any:
         """Workload 6: the next version of the tensors through rd.WeightPublisher (one
-        per allocation, and per ``blocks``: with more than one, row-parallel weights
-        are stored as that many blocks of columns); ``prepare`` writing them in
-        place between steps is the step."""
+        per allocation, and per ``blocks``: with more than one, every sharded weight
+        is stored as that many blocks, rank by rank: ``RankBlocks``); ``prepare``
+        writing them in place between steps is the step."""
         made_for = self._published_from
         if made_for is None or made_for[0] is not self.tensors or made_for[1] != blocks:
-            column_blocks = ColumnBlocks(blocks) if blocks > 1 else None
-            self._publisher = rd.WeightPublisher(self.tensors, shard_blocks=column_blocks)
+            rank_blocks = RankBlocks(blocks) if blocks > 1 else None
+            self._publisher = rd.WeightPublisher(self.tensors, shard_blocks=rank_blocks)
             self._published_from = (self.tensors, blocks)
         return self._publisher.publish((self._publisher.version or 0) + 1, timeout=FREE_TIMEOUT_S)
 

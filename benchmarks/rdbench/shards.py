@@ -37,16 +37,18 @@ def shard_of(
     return (dim, rank * part, (rank + 1) * part)
 
 
-class ColumnBlocks:
-    """``shard_blocks`` for ``world`` ranks: row-parallel weights stored as one
-    block of columns per rank, so each rank's slice of them is one run."""
+class RankBlocks:
+    """``shard_blocks`` for ``world`` ranks: every sharded weight stored as one
+    block per rank (row-parallel ones as blocks of columns, column-parallel ones
+    as blocks of rows), which the publisher lays out rank by rank: each rank's
+    shard of every tensor is one stretch of the slot."""
 
     def __init__(self, world: int) -> None:
         self.world = world
 
     def __call__(self, name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
         spec = shard_of(name, shape, 0, self.world)
-        return (1, self.world) if spec is not None and spec[0] == 1 else None
+        return (spec[0], self.world) if spec is not None else None
 
 
 def sharded_shape(name: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[int, ...]:

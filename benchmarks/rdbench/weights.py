@@ -43,7 +43,7 @@ ONE_TENSOR = "model.embed_tokens.weight"  # the same bytes as one tensor: the ba
 WORLD = 4  # tensor-parallel ranks of the sharded rows
 WEIGHT_API = "raydirect WeightPublisher"
 LOAD_ONLY = "loads only"  # publish untimed: what each consumer's load costs
-BLOCKS = "column blocks"  # shard_blocks=: each rank's row-parallel columns in one run
+BLOCKS = "shard_blocks"  # each rank's block of every sharded weight, rank by rank
 FLOOR_COPY = "floor: in-process copy"
 
 
@@ -66,7 +66,7 @@ def weight_api(ctx: Context) -> list[Row]:
                 rows += _family(
                     ctx, f"{WEIGHT_API}, {shape}, {LOAD_ONLY}", tensors, layout, world, rdt=None
                 )
-                if world > 1 and tensors > 1:  # row-parallel weights as blocks of columns
+                if world > 1 and tensors > 1:  # the publisher told the shards: RankBlocks
                     for system in (
                         f"{WEIGHT_API}, {shape}, {BLOCKS}",
                         f"{WEIGHT_API}, {shape}, {BLOCKS}, {LOAD_ONLY}",

@@ -7,8 +7,9 @@ holding them sees the update. With ``shard``, each target tensor is a slice of
 the published one and only that slice's bytes are read (``Ranges``): rows of a
 row-major tensor are one run of bytes, columns are many runs, one per row.
 A tensor the publisher laid out in blocks (``shard_blocks``) is read as the
-one block a shard is, in one run; read whole (or as a slice that is not one
-block) it lands in scratch memory and is rearranged into the target.
+one block a shard is, in one run, or as whole blocks of rows straight into the
+target; otherwise (blocks of columns read whole, a slice that is not whole
+blocks) its blocks land in scratch memory and are rearranged into the target.
 The plan (checks done, ranges built) is cached per layout, so a steady loop
 pays for it once.
 """
@@ -40,11 +41,25 @@ _SHOWN = 5  # problems listed in one error
 Row = tuple[int, int, int, int, int]
 
 
+# After the read, for a blocked tensor read into scratch: a (target, source) pair
+# of views to copy, or a function that does what a view cannot.
+After = tuple[torch.Tensor, torch.Tensor] | Callable[[], None]
+
+
 @dataclass
 class _Plan:
     ranges: Ranges
     names: list[str]  # loaded, in the order of the ranges' rows
-    after: list[Callable[[], None]] = field(default_factory=list)  # blocked tensors, from scratch
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    after: list[Callable[[], None]] = field(default_factory=list)
+
+    def rearrange(self) -> None:
+        """Blocked tensors read into scratch, into their targets: one call for the copies."""
+        with torch.no_grad():
+            if self.copies:
+                torch._foreach_copy_([t for t, _ in self.copies], [s for _, s in self.copies])
+            for finish in self.after:
+                finish()
 
 
 class WeightSubscriber:
@@ -94,8 +109,7 @@ class WeightSubscriber:
             if not isinstance(value, PendingFetch):
                 raise WeightSyncError("the handle's object holds no raydirect tensors")
             fetch_ranges(value.payload, plan.ranges, deadline)
-            for rearrange in plan.after:
-                rearrange()
+            plan.rearrange()
         except (RaydirectError, ray.exceptions.RayError, TimeoutError) as exc:
             raise WeightSyncError(
                 f"loading version {handle.version} failed midway ({type(exc).__name__}: {exc}); "
@@ -116,7 +130,7 @@ class WeightSubscriber:
         rows: list[Row] = []
         dests: list[torch.Tensor] = []
         names: list[str] = []
-        after: list[Callable[[], None]] = []
+        plan = _Plan(Ranges.of_rows([], []), names)
         for i, name in enumerate(layout.names):
             target = self._targets.get(name)
             if target is None:
@@ -126,19 +140,22 @@ class WeightSubscriber:
             except WeightSyncError as exc:
                 problems.append(str(exc))
                 continue
-            row, dest, rearrange = _read_of(layout, i, target, spec)
+            row, dest, after = _read_of(layout, i, target, spec)
             rows.append(row)
             dests.append(dest)
             names.append(name)
-            if rearrange is not None:
-                after.append(rearrange)
+            if isinstance(after, tuple):
+                plan.copies.append(after)
+            elif after is not None:
+                plan.after.append(after)
         if problems:
             shown = "; ".join(problems[:_SHOWN])
             more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
             raise WeightSyncError(
                 f"the handle does not fit the target: {shown}{more}; nothing was written"
             )
-        return _Plan(Ranges.of_rows(rows, dests), names, after)
+        plan.ranges = Ranges.of_rows(rows, dests)
+        return plan
 
     def _name_problems(self, layout: WeightsLayout) -> list[str]:
         if not self._strict:
@@ -179,7 +196,7 @@ class WeightSubscriber:
 
 def _read_of(
     layout: WeightsLayout, i: int, target: torch.Tensor, spec: Any
-) -> tuple[Row, torch.Tensor, Callable[[], None] | None]:
+) -> tuple[Row, torch.Tensor, After | None]:
     """How tensor ``i`` is read into ``target``: a row of ranges, where it lands,
     and what to do after (a blocked tensor read into scratch)."""
     full, dtype = layout.shapes[i], layout.dtypes[i]
@@ -190,37 +207,29 @@ def _read_of(
         return _slice_row(index, base, full, spec, element), writable_bytes(target), None
     total = math.prod(full) * element
     dim, parts = block
-    if spec is not None and int(spec[0]) == dim:
-        size, start, stop = full[dim] // parts, int(spec[1]), int(spec[2])
-        if start % size == 0 and stop - start == size:  # exactly one block: one run
-            return (
-                (index, base + start // size * total // parts, total // parts, 1, 0),
-                (writable_bytes(target)),
-                None,
-            )
+    one, stride, size = total // parts, layout.block_stride(i), full[dim] // parts
+    start, stop = (0, full[dim]) if spec is None else (int(spec[1]), int(spec[2]))
+    aligned = start % size == 0 and stop % size == 0 and (spec is None or int(spec[0]) == dim)
+    if aligned and (stop - start == size or math.prod(full[:dim]) == 1):
+        # Whole blocks that are also whole stretches of the target (one block, or
+        # blocks of rows): read straight into it, block after block.
+        row = (index, base + start // size * stride, one, (stop - start) // size, stride)
+        return row, writable_bytes(target), None
+    # Every block, back to back into scratch, then into the target in logical order.
     scratch = torch.empty(total, dtype=torch.uint8, device=target.device)
-    rearrange = functools.partial(_unblock, scratch, target, full, dtype, block, spec)
-    return (index, base, total, 1, 0), scratch, rearrange
-
-
-def _unblock(
-    scratch: torch.Tensor,
-    target: torch.Tensor,
-    full: tuple[int, ...],
-    dtype: str,
-    block: tuple[int, int],
-    spec: Any,
-) -> None:
-    """Copy a blocked tensor's bytes (in ``scratch``) into ``target`` in logical order."""
-    dim, parts = block
+    row = (index, base, total, 1, 0) if stride == one else (index, base, one, parts, stride)
     logical = blocked_view(scratch.view(torch_dtype(dtype)), full, block)
-    with torch.no_grad():
-        if spec is None:
-            target.unflatten(dim, (parts, full[dim] // parts)).copy_(logical)
-            return
-        sdim, start, stop = (int(v) for v in spec)
-        whole = logical.flatten(dim, dim + 1)  # a copy: the blocks are not in order
-        target.copy_(whole.narrow(sdim, start, stop - start))
+    if spec is None:  # views made once: each load is one copy (with the others)
+        return row, scratch, (target.unflatten(dim, (parts, size)), logical)
+    return row, scratch, functools.partial(_unblock, logical, target, dim, spec)
+
+
+def _unblock(logical: torch.Tensor, target: torch.Tensor, dim: int, spec: Any) -> None:
+    """Copy a slice of a blocked tensor (``logical``: its blocks read into scratch,
+    viewed as ``blocked_source``) into ``target``."""
+    sdim, start, stop = (int(v) for v in spec)
+    whole = logical.flatten(dim, dim + 1)  # a copy: the blocks are not in order
+    target.copy_(whole.narrow(sdim, start, stop - start))
 
 
 def _sliced_shape(name: str, full: tuple[int, ...], spec: Any) -> tuple[int, ...]:

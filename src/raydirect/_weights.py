@@ -15,14 +15,19 @@ no copy: the handle refers to the live tensors (write them in place only after
 
 ``shard_blocks`` lays a tensor out in its slot as blocks along one dimension,
 each block contiguous: a row-parallel weight split by columns then gives each
-tensor-parallel rank one run of bytes to read instead of one per row. A
-subscriber that loads a whole blocked tensor (or a slice that is not one block)
-reads it whole and rearranges it locally.
+tensor-parallel rank one run of bytes to read instead of one per row. Blocks
+are grouped by rank: block k of every blocked tensor (of the same number of
+parts) lies in region k of the slot, one after another, so a rank's whole
+shard of thousands of tensors is a few long spans of memory, not one short run
+per tensor with the other ranks' bytes between. A subscriber that loads a whole
+blocked tensor (or a slice that is not one block) reads its blocks into scratch
+memory and rearranges them locally.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 import secrets
 import threading
@@ -80,9 +85,14 @@ class WeightsLayout:
     # Per tensor, None or (dim, parts): stored as ``parts`` contiguous blocks along
     # ``dim`` (block k: the slice [k * size / parts, (k + 1) * size / parts)).
     blocks: tuple[tuple[int, int] | None, ...] = ()
+    # Per tensor, the bytes from the start of one block to the next (blocked tensors).
+    block_strides: tuple[int, ...] = ()
 
     def block_of(self, i: int) -> tuple[int, int] | None:
         return self.blocks[i] if self.blocks else None
+
+    def block_stride(self, i: int) -> int:
+        return self.block_strides[i]
 
     def __reduce__(self) -> tuple[Any, tuple[bytes, bytes]]:
         # Every handle carries its layout; a process that has seen this one (a
@@ -246,17 +256,19 @@ class WeightPublisher:
         devices = {t.device.type for t in state.values()}
         if len(devices) > 1:
             raise WeightSyncError(f"the weights are on several device types {sorted(devices)}")
+        blocks = self._blocks_of(names, shapes)
+        strides: tuple[int, ...] = ()
         if self._depth == 0:
             index, offsets = tuple(range(len(names))), (0,) * len(names)
         else:
             sizes = [_nbytes(s, d) for s, d in zip(shapes, dtypes, strict=True)]
-            offsets = tuple(aligned_offsets(sizes)[0])
+            offsets, strides = _slot_offsets(sizes, blocks)
             index = (0,) * len(names)
         self._slots = []  # a new layout: slots of the old one go once their handles do
         device = devices.pop() if devices else "cpu"
-        blocks = self._blocks_of(names, shapes)
+        token = secrets.token_bytes(16)
         self._layout = WeightsLayout(
-            names, shapes, dtypes, index, offsets, device, secrets.token_bytes(16), blocks
+            names, shapes, dtypes, index, offsets, device, token, blocks, strides
         )
         return self._layout
 
@@ -308,18 +320,49 @@ class WeightPublisher:
             ) from None
 
 
+def _slot_offsets(
+    sizes: list[int], blocks: tuple[tuple[int, int] | None, ...]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where each tensor starts in a slot, and for blocked ones the bytes between
+    their blocks: unblocked tensors first, end to end; then, for each number of
+    parts, ``parts`` regions, region k holding block k of each such tensor."""
+    offsets, strides = [0] * len(sizes), [0] * len(sizes)
+    plain = [i for i in range(len(sizes)) if not blocks or blocks[i] is None]
+    starts, end = aligned_offsets([sizes[i] for i in plain])
+    for i, start in zip(plain, starts, strict=True):
+        offsets[i] = start
+    by_parts: dict[int, list[int]] = {}
+    for i, block in enumerate(blocks):
+        if block is not None:
+            by_parts.setdefault(block[1], []).append(i)
+    for parts, members in by_parts.items():
+        starts, region = aligned_offsets([sizes[i] // parts for i in members])
+        for i, start in zip(members, starts, strict=True):
+            offsets[i], strides[i] = end + start, region
+        end += region * parts
+    return tuple(offsets), tuple(strides) if blocks else ()
+
+
 def _new_slot(layout: WeightsLayout) -> _Slot:
-    ends = [
-        off + _nbytes(s, d)
-        for off, s, d in zip(layout.offsets, layout.shapes, layout.dtypes, strict=True)
-    ]
-    buffer = torch.empty(max(ends, default=0), dtype=torch.uint8, device=layout.device)
-    views = [
-        blocked_view(buffer[off:end].view(torch_dtype(dtype)), shape, layout.block_of(i))
-        for i, (off, end, dtype, shape) in enumerate(
-            zip(layout.offsets, ends, layout.dtypes, layout.shapes, strict=True)
-        )
-    ]
+    spans = []  # (first byte, bytes to the end of the last block) of each tensor
+    for i, (off, shape, dtype) in enumerate(
+        zip(layout.offsets, layout.shapes, layout.dtypes, strict=True)
+    ):
+        size, block = _nbytes(shape, dtype), layout.block_of(i)
+        if block is not None:
+            size = (block[1] - 1) * layout.block_stride(i) + size // block[1]
+        spans.append((off, size))
+    buffer = torch.empty(
+        max((off + size for off, size in spans), default=0), dtype=torch.uint8, device=layout.device
+    )
+    views = []
+    for i, ((off, size), dtype, shape) in enumerate(
+        zip(spans, layout.dtypes, layout.shapes, strict=True)
+    ):
+        flat = buffer[off : off + size].view(torch_dtype(dtype))
+        block = layout.block_of(i)
+        stride = layout.block_stride(i) // flat.element_size() if block is not None else None
+        views.append(blocked_view(flat, shape, block, stride))
     return _Slot(buffer, views)
 
 
@@ -332,13 +375,19 @@ def blocked_source(tensor: torch.Tensor, block: tuple[int, int] | None) -> torch
 
 
 def blocked_view(
-    flat: torch.Tensor, shape: tuple[int, ...], block: tuple[int, int] | None
+    flat: torch.Tensor,
+    shape: tuple[int, ...],
+    block: tuple[int, int] | None,
+    stride: int | None = None,
 ) -> torch.Tensor:
-    """The bytes ``flat`` of one tensor laid out as ``block`` says, viewed as
+    """The elements ``flat`` of one tensor laid out as ``block`` says, block k
+    ``stride`` elements after block k - 1 (default: back to back), viewed as
     ``blocked_source`` of the tensor is shaped: block-major memory, logical order."""
     if block is None:
         return flat.view(shape)
     dim, parts = block
-    size = shape[dim] // parts
-    stored = flat.view(parts, *shape[:dim], size, *shape[dim + 1 :])  # block k after k - 1
+    one = (*shape[:dim], shape[dim] // parts, *shape[dim + 1 :])
+    inner = torch.empty(one, device="meta").stride()  # a block is contiguous
+    step = math.prod(one) if stride is None else stride
+    stored = flat.as_strided((parts, *one), (step, *inner), flat.storage_offset())
     return stored.movedim(0, dim)
