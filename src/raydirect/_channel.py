@@ -131,8 +131,11 @@ class Channel:
                 self.refusals += 1
 
     def healthy(self) -> bool:
+        """Worth keeping: not lost, and not retrying an address nobody serves (a
+        channel opened to an agent that died before it answered never connects,
+        and would otherwise stay cached with its sockets)."""
         self._read_monitor()
-        return not self.lost
+        return not self.lost and (self.connected or self.refusals == 0)
 
     def send(self, header: dict[str, Any]) -> None:
         proof = _wire.auth_proof()
