@@ -32,13 +32,34 @@ BOUND_S = READ_TIMEOUT_S + 30
 RAY_ERRORS = ("Ray", "Actor", "Task", "ObjectLost", "GetTimeout")
 
 
-def fd_kinds(pid: int) -> dict[str, int]:
+def _sockets(pid: int) -> dict[str, str]:
+    """Socket inode -> "tcp <state> <local port>-><remote port>" or "unix"."""
+    found = {}
+    for table in ("tcp", "tcp6"):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                local, remote, state, inode = cols[1], cols[2], cols[3], cols[9]
+                ports = f"{int(local.split(':')[1], 16)}->{int(remote.split(':')[1], 16)}"
+                found[inode] = f"tcp {state} {ports}"
+    with contextlib.suppress(OSError), open(f"/proc/{pid}/net/unix") as f:
+        for line in f.readlines()[1:]:
+            found[line.split()[6]] = "unix"
+    return found
+
+
+def fd_kinds(pid: int, detail: bool = False) -> dict[str, int]:
     """What a process's fds point at ("socket", "anon_inode", a file's path), counted:
-    says what grew when the count does."""
+    says what grew when the count does. ``detail``: sockets by kind and ports."""
     kinds: Counter[str] = Counter()
+    sockets = _sockets(pid) if detail else {}
     for fd in os.listdir(f"/proc/{pid}/fd"):
         with contextlib.suppress(OSError):
-            kinds[os.readlink(f"/proc/{pid}/fd/{fd}").split(":")[0]] += 1
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            kind = target.split(":")[0]
+            if detail and kind == "socket":
+                kind = sockets.get(target.split("[")[-1].rstrip("]"), "socket ?")
+            kinds[kind] += 1
     return dict(kinds)
 
 
@@ -85,6 +106,21 @@ def main() -> None:
         def pid(self) -> int:
             return os.getpid()
 
+        def held(self) -> dict[str, int]:
+            """What raydirect holds here: channels to agents, and threads."""
+            import gc
+            import threading
+
+            from raydirect import _channel
+
+            found = [o for o in gc.get_objects() if isinstance(o, _channel.Channel)]
+            live = [c for c in found if not c.socket.closed]
+            return {
+                "open_channels": len(live),
+                "channel_addresses": len({c.address for c in live}),
+                "threads": threading.active_count(),
+            }
+
         def close_idle(self) -> int:
             from raydirect import _stream_client
 
@@ -130,6 +166,8 @@ def main() -> None:
     pids = ray.get([p.pid.remote() for p in producers])
     warm = ray.get([c.run.remote(producers, time.time() + 2, i) for i, c in enumerate(consumers)])
     fds_before = ray.get([c.fds.remote() for c in consumers])
+    kinds_before = [fd_kinds(c, True) for c in ray.get([c.pid.remote() for c in consumers])]
+    held_before = ray.get([c.held.remote() for c in consumers])
     consumer_pids = ray.get([c.pid.remote() for c in consumers])
     samples: list[list[int]] = []
     until = time.time() + seconds
@@ -164,8 +202,9 @@ def main() -> None:
             break
         time.sleep(0.2)
     pooled = ray.get([c.close_idle.remote() for c in consumers])
-    kinds = [fd_kinds(c) for c in consumer_pids]
+    kinds = [fd_kinds(c, True) for c in consumer_pids]
     fds_after = ray.get([c.fds.remote() for c in consumers])
+    held_after = ray.get([c.held.remote() for c in consumers])
     result = {
         "killed": len(killed),
         "first_pids": pids,
@@ -181,6 +220,8 @@ def main() -> None:
         "fds_after": fds_after,
         "pooled_closed": pooled,
         "fd_kinds": kinds,
+        "fd_kinds_before": kinds_before,
+        "held": [held_before, held_after],
         "fd_samples": samples[:: max(1, len(samples) // 12)],
         "warm_reads": sum(len(w) for w in warm),
     }  # fmt: skip

@@ -48,6 +48,7 @@ _MIN_SEGMENT = 1 << 20
 _IDLE_CAP_BYTES = 2 << 30  # idle segments kept for reuse, per process
 _COPY_SLICE = 64 << 20  # copies are cut so a deadline is noticed
 _MAPPED_SEGMENTS = 8  # consumer: segments kept mapped for reuse
+_SWEEP_S = 0.5  # consumer: how often mapped segments are checked for unlinking
 
 
 def segment_size(nbytes: int) -> int:
@@ -185,9 +186,11 @@ class _MappedSegments:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._maps: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._swept = 0.0
 
     def view(self, name: str, size: int) -> torch.Tensor:
         with self._lock:
+            self._sweep()
             view = self._maps.get(name)
             if view is not None and view.numel() == size:
                 self._maps.move_to_end(name)
@@ -196,14 +199,21 @@ class _MappedSegments:
             _map(os.path.join(SHM_DIR, name), size, create=False), dtype=torch.uint8
         )
         with self._lock:
-            # A segment unlinked since (its producer died, or freed it) keeps its
-            # memory while mapped here: unmap it rather than wait to be evicted.
-            for gone in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
-                del self._maps[gone]
             self._maps[name] = view
             while len(self._maps) > _MAPPED_SEGMENTS:
                 self._maps.popitem(last=False)  # unmapped once no copy uses it
         return view
+
+    def _sweep(self) -> None:
+        """Unmap segments unlinked since (their producer died, or freed them): they
+        keep their memory while mapped here. At most every ``_SWEEP_S``, also when
+        every read finds its segment mapped already."""
+        now = time.monotonic()
+        if now - self._swept < _SWEEP_S:
+            return
+        self._swept = now
+        for gone in [n for n in self._maps if not os.path.exists(os.path.join(SHM_DIR, n))]:
+            del self._maps[gone]
 
 
 def _checked_reply(header: dict[str, Any], ranges: Ranges, who: str) -> tuple[str, int, np.ndarray]:
