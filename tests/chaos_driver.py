@@ -26,6 +26,9 @@ CONSUMERS = 3
 READ_TIMEOUT_S = 30.0
 SIZES = (4 << 10, 1 << 20, 8 << 20)  # inline-sized, control channel, bulk streams
 TRANSPORTS = ("auto", "shm", "tcp")
+# The control: the same kills and reads through Ray alone (plain methods, ray.get),
+# to tell what Ray itself holds after many restarts from what raydirect does.
+CONTROL = os.environ.get("RAYDIRECT_CHAOS_CONTROL") == "1"
 
 
 BOUND_S = READ_TIMEOUT_S + 30
@@ -42,9 +45,12 @@ def _sockets(pid: int) -> dict[str, str]:
                 local, remote, state, inode = cols[1], cols[2], cols[3], cols[9]
                 ports = f"{int(local.split(':')[1], 16)}->{int(remote.split(':')[1], 16)}"
                 found[inode] = f"tcp {state} {ports}"
-    with contextlib.suppress(OSError), open(f"/proc/{pid}/net/unix") as f:
-        for line in f.readlines()[1:]:
-            found[line.split()[6]] = "unix"
+    for table, column in (("unix", 6), ("udp", 9), ("udp6", 9), ("netlink", 9), ("raw", 9)):
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if len(cols) > column:
+                    found[cols[column]] = table
     return found
 
 
@@ -98,6 +104,9 @@ def main() -> None:
         def make_tcp(self, nbytes: int, salt: int) -> Any:
             return value(nbytes, salt)
 
+        def make_plain(self, nbytes: int, salt: int) -> Any:
+            return value(nbytes, salt)
+
     @ray.remote(num_cpus=0)
     class Consumer:
         def fds(self) -> int:
@@ -106,19 +115,35 @@ def main() -> None:
         def pid(self) -> int:
             return os.getpid()
 
-        def held(self) -> dict[str, int]:
+        def held(self) -> dict[str, Any]:
             """What raydirect holds here: channels to agents, and threads."""
             import gc
+            import socket
             import threading
 
             from raydirect import _channel
 
-            found = [o for o in gc.get_objects() if isinstance(o, _channel.Channel)]
+            objects = gc.get_objects()
+            found = [o for o in objects if isinstance(o, _channel.Channel)]
             live = [c for c in found if not c.socket.closed]
+            sockets = [o for o in objects if isinstance(o, socket.socket) and o.fileno() >= 0]
+            unconnected = 0
+            for s in sockets:
+                try:
+                    s.getpeername()
+                except OSError:
+                    unconnected += 1
+            import zmq
+
+            zsockets = [o for o in objects if isinstance(o, zmq.Socket) and not o.closed]
             return {
+                "zmq_sockets": len(zsockets),
+                "zmq_socket_types": sorted(z.socket_type for z in zsockets),
                 "open_channels": len(live),
                 "channel_addresses": len({c.address for c in live}),
                 "threads": threading.active_count(),
+                "python_sockets": len(sockets),
+                "python_sockets_unconnected": unconnected,
             }
 
         def close_idle(self) -> int:
@@ -135,8 +160,12 @@ def main() -> None:
                 salt = rng.randrange(1 << 20)
                 t0 = time.monotonic()
                 try:
-                    ref = getattr(p, f"make_{transport}").remote(nbytes, salt)
-                    got = rd.get(ref, timeout=READ_TIMEOUT_S, tensor_transport=transport)
+                    if CONTROL:
+                        ref = p.make_plain.remote(nbytes, salt)
+                        got = ray.get(ref, timeout=READ_TIMEOUT_S)
+                    else:
+                        ref = getattr(p, f"make_{transport}").remote(nbytes, salt)
+                        got = rd.get(ref, timeout=READ_TIMEOUT_S, tensor_transport=transport)
                     ok = torch.equal(got, value(nbytes, salt))
                     outcome = {"result": "exact" if ok else "wrong"}
                 except Exception as exc:
