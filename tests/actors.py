@@ -57,6 +57,10 @@ def make_value(case: str) -> Any:
         }
     if case == "no_tensors":
         return {"a": 1, "b": [1, 2, "three"], "c": None}
+    if case == "grad_state":  # a state dict (the fast path) with a tensor that wants grad
+        return {"w": base.clone().requires_grad_(True), "b": base[0].clone(), "n": base[1] > 0}
+    if case == "tied":  # a state dict naming one tensor twice (tied embeddings)
+        return {"embed": base, "norm": base[0].clone(), "lm_head": base}
     if case == "params":
         return {
             "param": torch.nn.Parameter(base.clone()),
@@ -91,6 +95,8 @@ def check_value(case: str, got: Any) -> str | None:
     problem = mismatch(got, want)
     if problem is None and case == "aliasing" and not _one_tensor(got):
         problem = "the same tensor arrived as several tensors"
+    if problem is None and case == "tied" and got["embed"] is not got["lm_head"]:
+        problem = "the tied tensor arrived as two tensors"
     return problem
 
 

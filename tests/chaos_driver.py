@@ -16,6 +16,7 @@ import json
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from collections import Counter
@@ -28,7 +29,10 @@ SIZES = (4 << 10, 1 << 20, 8 << 20)  # inline-sized, control channel, bulk strea
 TRANSPORTS = ("auto", "shm", "tcp")
 # The control: the same kills and reads through Ray alone (plain methods, ray.get),
 # to tell what Ray itself holds after many restarts from what raydirect does.
-CONTROL = os.environ.get("RAYDIRECT_CHAOS_CONTROL") == "1"
+# "nested": each value also holds a ref its producer owns, as a raydirect lease is.
+CONTROL = os.environ.get("RAYDIRECT_CHAOS_CONTROL", "") in ("1", "nested")
+NESTED = os.environ.get("RAYDIRECT_CHAOS_CONTROL") == "nested"
+TCP_CLOSE = 7  # TCP_INFO's state of a socket that is neither connected nor listening
 
 
 BOUND_S = READ_TIMEOUT_S + 30
@@ -69,6 +73,32 @@ def fd_kinds(pid: int, detail: bool = False) -> dict[str, int]:
     return dict(kinds)
 
 
+def closed_tcp6() -> int:
+    """This process's IPv6 TCP sockets in state CLOSE (in no /proc/net table).
+
+    Ray's core worker (gRPC, dual-stack sockets) keeps one per failed connection
+    to a dead owner of a ref it borrowed: the nested control (plain Ray, no
+    raydirect, a producer-owned ref in each value) grows them as fast as
+    raydirect's consumers do, whose leases are such refs. raydirect's own
+    connections are IPv4 (the node address) and are counted apart."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                continue
+            sock = socket.socket(fileno=int(fd))
+        except OSError:
+            continue
+        try:
+            if sock.family == socket.AF_INET6 and sock.type == socket.SOCK_STREAM:
+                count += sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE
+        except OSError:
+            pass
+        finally:
+            sock.detach()  # the fd stays its owner's
+    return count
+
+
 def unexplained(outcome: dict[str, Any]) -> bool:
     """An error that is neither raydirect's nor Ray's own."""
     if outcome["result"] != "error" or outcome["raydirect"]:
@@ -105,6 +135,8 @@ def main() -> None:
             return value(nbytes, salt)
 
         def make_plain(self, nbytes: int, salt: int) -> Any:
+            if NESTED:
+                return [value(nbytes, salt), ray.put(b"")]
             return value(nbytes, salt)
 
     @ray.remote(num_cpus=0)
@@ -137,6 +169,7 @@ def main() -> None:
 
             zsockets = [o for o in objects if isinstance(o, zmq.Socket) and not o.closed]
             return {
+                "closed_tcp6": closed_tcp6(),
                 "zmq_sockets": len(zsockets),
                 "zmq_socket_types": sorted(z.socket_type for z in zsockets),
                 "open_channels": len(live),
@@ -163,6 +196,7 @@ def main() -> None:
                     if CONTROL:
                         ref = p.make_plain.remote(nbytes, salt)
                         got = ray.get(ref, timeout=READ_TIMEOUT_S)
+                        got = got[0] if NESTED else got
                     else:
                         ref = getattr(p, f"make_{transport}").remote(nbytes, salt)
                         got = rd.get(ref, timeout=READ_TIMEOUT_S, tensor_transport=transport)

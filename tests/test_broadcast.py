@@ -51,8 +51,11 @@ def test_broadcast_frees_the_relay_copy_with_the_refs(producer_and_readers):
     ray.get([r.summarize.remote(x) for r, x in zip(readers, refs, strict=True)])
     assert ray.get(readers[0].stats.remote()).num_objects >= 1
     del refs
-    wait_for(lambda: ray.get(readers[0].stats.remote()).num_objects == 0, timeout=30,
-             what="the relay's copy to be freed")
+    wait_for(
+        lambda: ray.get(readers[0].stats.remote()).num_objects == 0,
+        timeout=30,
+        what="the relay's copy to be freed",
+    )
 
 
 def test_broadcast_of_a_plain_object_and_bad_input(producer_and_readers):

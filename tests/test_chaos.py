@@ -41,7 +41,20 @@ def test_restarted_producers_serve_again(chaos):
     assert chaos["served_again"] == [True] * 6
 
 
+def _ours(fds: list[int], held: list[dict]) -> list[int]:
+    # Less the sockets Ray's core worker keeps after failed connections to dead
+    # owners of refs it borrowed (chaos_driver.closed_tcp6: Ray's, shown by the
+    # nested control; a ten-minute run leaves ~50 per consumer).
+    return [n - h["closed_tcp6"] for n, h in zip(fds, held, strict=True)]
+
+
 def test_nothing_is_left_behind(chaos):
     assert chaos["segments_left"] == []
-    for before, after in zip(chaos["fds_before"], chaos["fds_after"], strict=True):
-        assert after <= before + FD_SLACK, (chaos["fds_before"], chaos["fds_after"])
+    held_before, held_after = chaos["held"]
+    before = _ours(chaos["fds_before"], held_before)
+    after = _ours(chaos["fds_after"], held_after)
+    for b, a in zip(before, after, strict=True):
+        assert a <= b + FD_SLACK, (before, after, chaos["fds_before"], chaos["fds_after"])
+    for b, a in zip(held_before, held_after, strict=True):
+        assert a["open_channels"] <= b["open_channels"] + 2, (held_before, held_after)
+        assert a["threads"] <= b["threads"] + 2, (held_before, held_after)

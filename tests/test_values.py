@@ -9,7 +9,7 @@ import raydirect as rd
 
 from actors import check_value
 
-CASES = ["dtypes", "views", "aliasing", "numpy", "no_tensors", "params"]
+CASES = ["dtypes", "views", "aliasing", "numpy", "no_tensors", "params", "grad_state", "tied"]
 TRANSPORTS = ["auto", "cma", "shm", "tcp"]
 
 

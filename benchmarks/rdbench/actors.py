@@ -334,6 +334,11 @@ class CheckingConsumer:
             self._sub = (sub_key, rd.WeightSubscriber(targets, shard=shard))
         self._sub[1].load(handle, timeout=TRANSFER_TIMEOUT_S)
 
+    def get_state_into(self, box: list[Any], key: str) -> None:
+        """raydirect's primitives: ``rd.get`` of the trainer's dict straight into this
+        consumer's own tensors (``check_targets`` checks them afterwards, untimed)."""
+        rd.get(box[0], into=self._targets(key, 0, 1), timeout=TRANSFER_TIMEOUT_S)
+
     def copy_state(self, state: Any, key: str, rank: int, world: int) -> None:
         """What users write with Ray's object store or RDT: the whole dict arrives as
         a task argument, then each tensor (or this rank's slice of it) is copied

@@ -45,6 +45,9 @@ WEIGHT_API = "raydirect WeightPublisher"
 LOAD_ONLY = "loads only"  # publish untimed: what each consumer's load costs
 BLOCKS = "shard_blocks"  # each rank's block of every sharded weight, rank by rank
 FLOOR_COPY = "floor: in-process copy"
+# The same job with raydirect's primitives: the trainer's @rd.method returns its
+# dict, each consumer reads it with rd.get(ref, into=its own tensors).
+PRIMITIVES = "raydirect @rd.method dict, rd.get(into=)"
 
 
 def _param(tensors: int, consumers: int) -> str:
@@ -66,6 +69,8 @@ def weight_api(ctx: Context) -> list[Row]:
                 rows += _family(
                     ctx, f"{WEIGHT_API}, {shape}, {LOAD_ONLY}", tensors, layout, world, rdt=None
                 )
+                if world == 1:
+                    rows += _family(ctx, PRIMITIVES, tensors, layout, world, rdt=None)
                 if world > 1 and tensors > 1:  # the publisher told the shards: RankBlocks
                     for system in (
                         f"{WEIGHT_API}, {shape}, {BLOCKS}",
@@ -122,8 +127,8 @@ def _family(
     if not allocate([producer], layout, family):
         return family
     for row, n in zip(family, counts, strict=True):
-        publish = rdt is None
-        step = _step(producer, consumers[:n], layout, world, publish, LOAD_ONLY in system, blocks)
+        how = "by hand" if rdt is not None else "primitives" if system == PRIMITIVES else "publish"
+        step = _step(producer, consumers[:n], layout, world, how, LOAD_ONLY in system, blocks)
         run_row(row, cfg.sync_steps, step, ctx.seed_iter)
     return family
 
@@ -139,10 +144,12 @@ def _step(
     consumers: list[Any],
     layout: Layout,
     world: int,
-    publish: bool,
+    how: str,
     loads_only: bool = False,
     blocks: int = 1,
 ) -> Callable[[int], float]:
+    """One timed step: ``how`` is "publish" (the weight API), "primitives"
+    (``PRIMITIVES``) or "by hand" (the object store's or RDT's dict, copied)."""
     key = f"{len(layout)}-{world}"
     ray.get([c.remember_layout.remote(key, layout) for c in consumers], timeout=SETUP_TIMEOUT_S)
 
@@ -152,12 +159,15 @@ def _step(
             ref = producer.publish.remote(blocks)
             ray.wait([ref], timeout=TRANSFER_TIMEOUT_S)
         start = time.perf_counter()
-        if publish:
+        if how == "publish":
             if not loads_only:
                 ref = producer.publish.remote(blocks)
             loads = [
                 c.load_weights.remote(ref, key, i % world, world) for i, c in enumerate(consumers)
             ]
+        elif how == "primitives":
+            ref = producer.state_auto.remote()
+            loads = [c.get_state_into.remote([ref], key) for c in consumers]
         else:
             ref = producer.state.remote()
             loads = [

@@ -25,14 +25,16 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from raydirect import _channel, _payload, _plugin_transfer, _process, _ray, _wire
 from raydirect._into import (
     copy_into,
+    data_address,
     make_targets,
     match,
     on_device,
@@ -40,9 +42,10 @@ from raydirect._into import (
     writable_bytes,
 )
 from raydirect._payload import PREPARING, Payload, ProducerInfo, join
-from raydirect._ranges import Ranges
+from raydirect._ranges import ByteViews, Ranges
 from raydirect._store import StoredObject, store
 from raydirect._tensors import (
+    TensorMetas,
     allocate_bytes,
     arena_layout,
     as_tensor,
@@ -145,7 +148,7 @@ def choose_transport(payload: Payload, forced: str | None) -> str:
 
 def _choose_auto(payload: Payload, same_node: bool) -> str:
     producer = payload.producer
-    cuda = any(m.device == "cuda" for m in payload.metas)
+    cuda = "cuda" in payload.metas.devices
     if same_node:
         if cuda:
             return _SAME_NODE_CUDA
@@ -174,7 +177,7 @@ def _log_fallback_once(wanted: str, why: str) -> None:
 
 
 def _arena_device(name: str, payload: Payload) -> str:
-    devices = {m.device for m in payload.metas}
+    devices = set(payload.metas.devices)
     if devices <= {"cpu"}:
         return "cpu"
     supported = transport_class(name).devices
@@ -292,22 +295,52 @@ def _receive_bytes(
     into: dict[int, Any],
 ) -> list[Any]:
     metas = payload.metas
-    missing = [i for i in range(len(metas)) if i not in into]
-    offsets, total = arena_layout([metas[i] for i in missing])
+    missing = [i for i in range(len(metas)) if i not in into] if into else range(len(metas))
+    landing = metas.select(missing) if into else metas  # in the arena
+    offsets, total = arena_layout(landing)
     device = _allocatable(_arena_device(name, payload), name) if missing else "cpu"
     arena = allocate_bytes(total, device) if missing else None
-    targets: list[Any] = [None] * len(metas)
-    for i, off in zip(missing, offsets, strict=True):
-        targets[i] = arena[off : off + metas[i].nbytes]  # type: ignore[index]
-    for i, target in into.items():
-        targets[i] = writable_bytes(target)
-    _read_bytes(name, payload, deadline, forced, Ranges.of_whole(targets))
-    out: list[Any] = list(into.get(i) for i in range(len(metas)))
-    if arena is not None:
-        received = tensors_from_arena(arena, [metas[i] for i in missing], offsets)
-        for i, tensor in zip(missing, received, strict=True):
-            out[i] = tensor
+    slots = _slots(metas, missing, offsets, arena, into)
+    _read_bytes(name, payload, deadline, forced, Ranges.of_whole(slots))
+    if arena is None:
+        return [into[i] for i in range(len(metas))]
+    received = tensors_from_arena(arena, landing, offsets)
+    if not into:
+        return received
+    out: list[Any] = [into.get(i) for i in range(len(metas))]
+    for i, tensor in zip(missing, received, strict=True):
+        out[i] = tensor
     return out
+
+
+def _slots(
+    metas: TensorMetas,
+    missing: Sequence[int],
+    offsets: list[int],
+    arena: torch.Tensor | None,
+    into: dict[int, Any],
+) -> ByteViews:
+    """Where each tensor lands: its slot of ``arena``, or its target in ``into``."""
+    lengths = np.asarray(metas.nbytes, dtype=np.int64)
+    addresses = np.zeros(len(metas), dtype=np.int64)
+    if arena is not None:
+        addresses[np.asarray(missing, dtype=np.int64)] = arena.data_ptr() + np.asarray(
+            offsets, dtype=np.int64
+        )
+    # Slot starts by tensor index: the offsets themselves when the arena holds all.
+    starts: Any = dict(zip(missing, offsets, strict=True)) if into else offsets
+    if into:
+        addresses[np.fromiter(into, dtype=np.int64, count=len(into))] = [
+            t.data_ptr() if type(t) is torch.Tensor else data_address(t) for t in into.values()
+        ]
+
+    def view(i: int) -> torch.Tensor:
+        if i in into:
+            return writable_bytes(into[i])
+        start = starts[i]
+        return arena[start : start + metas.nbytes[i]]  # type: ignore[index]
+
+    return ByteViews(addresses, lengths, view)
 
 
 def _read_bytes(
@@ -360,7 +393,7 @@ def _read(name: str, payload: Payload, comm: PeerMetadata, ranges: Ranges) -> No
     _copy_ranges(whole, ranges)
 
 
-def _copy_ranges(sources: list[Any], ranges: Ranges) -> None:
+def _copy_ranges(sources: Sequence[Any], ranges: Ranges) -> None:
     """Copy ``ranges`` out of ``sources`` (flat uint8 tensors, one per tensor) locally."""
     for row, dest in enumerate(ranges.dests):
         view = ranges.strided_view(sources[int(ranges.index[row])], row)

@@ -28,14 +28,21 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from raydirect._payload import Payload, join
-from raydirect._tensors import DTYPE_NAMES, KIND_TORCH, TensorMeta, finish, torch_dtype
+from raydirect._payload import Payload, join, state_dict_keys
+from raydirect._tensors import (
+    DTYPE_NAMES,
+    KIND_TORCH,
+    TensorMeta,
+    TensorMetas,
+    finish,
+    torch_dtype,
+)
 
 log = logging.getLogger("raydirect")
 _HINTS_KEPT = 4096
@@ -71,6 +78,11 @@ def match(payload: Payload, into: Any) -> dict[int, Any]:
 
 
 def _match_structure(payload: Payload, into: Any) -> dict[int, Any]:
+    keys = state_dict_keys(payload.skeleton)
+    if keys is not None and isinstance(into, Mapping):  # a state dict: in bulk
+        index = dict(zip(keys, range(len(keys)), strict=True))
+        if into.keys() <= index.keys():
+            return {index[k]: t for k, t in into.items() if t is not None}
     count = len(payload.metas)
     slots = [_Slot(i) for i in range(count)]
     try:
@@ -106,16 +118,40 @@ def _is_target(obj: Any) -> bool:
 
 
 def _check_all(payload: Payload, found: dict[int, Any]) -> None:
+    if _all_fit(payload.metas, found):
+        return
     seen: dict[int, str] = {}
     for index, target in found.items():
         _check(target, payload.metas[index], index)
-        key = _memory_key(target)
+        key = data_address(target)
         if key in seen and payload.metas[index].nbytes:
             raise ValueError(
                 f"into= names the same memory for tensors {seen[key]} and {index} of the object; "
                 "give each tensor its own target"
             )
         seen[key] = str(index)
+
+
+def _all_fit(metas: TensorMetas, found: dict[int, Any]) -> bool:
+    """The common case checked in bulk (C comprehensions, no call per target):
+    contiguous plain torch tensors of the right shape, dtype and device, all in
+    distinct memory. False sends the caller through the checks one by one, which
+    name the first target that does not fit."""
+    targets = list(found.values())
+    if not all([type(t) is torch.Tensor for t in targets]):
+        return False
+    if not all([t.is_contiguous() for t in targets]):
+        return False
+    if [tuple(t.shape) for t in targets] != [metas.shapes[i] for i in found]:
+        return False
+    if [DTYPE_NAMES[t.dtype] for t in targets] != [metas.dtypes[i] for i in found]:
+        return False
+    devices = ["cpu" if t.is_cpu else t.device.type for t in targets]
+    if devices != [metas.devices[i] for i in found]:
+        return False
+    sizes = metas.nbytes
+    addresses = [t.data_ptr() for t, i in zip(targets, found, strict=True) if sizes[i]]
+    return len(set(addresses)) == len(addresses)
 
 
 def _walk(shape: Any, into: Any, path: str, found: dict[int, Any]) -> None:
@@ -191,7 +227,8 @@ def _expected(meta: TensorMeta) -> str:
     return f"shape {tuple(meta.shape)}, dtype {meta.dtype}, device {meta.device}"
 
 
-def _memory_key(target: Any) -> int:
+def data_address(target: Any) -> int:
+    """The address of a target's first byte (a tensor or a numpy array)."""
     if isinstance(target, np.ndarray):
         return int(target.__array_interface__["data"][0])
     return int(target.data_ptr())
@@ -264,7 +301,7 @@ def target_device(device: Any) -> torch.device | None:
     return torch.device("cuda", index)
 
 
-def check_device_fits(metas: list[TensorMeta], device: torch.device) -> None:
+def check_device_fits(metas: Sequence[TensorMeta], device: torch.device) -> None:
     """Only torch tensors go to a GPU: numpy and JAX arrays stay where they are."""
     if device.type != "cpu" and any(m.kind != KIND_TORCH for m in metas):
         raise ValueError(
@@ -274,7 +311,7 @@ def check_device_fits(metas: list[TensorMeta], device: torch.device) -> None:
 
 
 def make_targets(
-    metas: list[TensorMeta], device: torch.device, skip: Mapping[int, Any]
+    metas: Sequence[TensorMeta], device: torch.device, skip: Mapping[int, Any]
 ) -> dict[int, Any]:
     """New tensors on ``device`` for the tensors of ``metas`` not in ``skip``."""
     return {
@@ -285,7 +322,7 @@ def make_targets(
 
 
 def on_device(
-    tensors: list[Any], metas: list[TensorMeta], device: torch.device | None
+    tensors: list[Any], metas: Sequence[TensorMeta], device: torch.device | None
 ) -> list[Any]:
     """Received tensors on ``device``: those that arrived elsewhere are copied once."""
     if device is None:

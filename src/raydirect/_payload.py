@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+import torch
 from ray import cloudpickle
 from ray.actor import ActorHandle
 
 from raydirect import _process
-from raydirect._tensors import TensorMeta, as_tensor, describe
+from raydirect._tensors import TensorMetas, as_tensor, describe_all
 
 # Stands in ``Payload.transport_meta`` for metadata the producer still prepares
 # in the background: the consumer asks the producer's agent for it.
@@ -63,7 +64,7 @@ class Payload:
     capability: bytes
     skeleton: bytes
     handles: list[Any]
-    metas: list[TensorMeta]
+    metas: TensorMetas
     transport: str
     producer: ProducerInfo
     transport_meta: dict[str, Any] = field(default_factory=dict)
@@ -73,7 +74,7 @@ class Payload:
 
     @property
     def nbytes(self) -> int:
-        return sum(m.nbytes for m in self.metas)
+        return self.metas.total_bytes()
 
     def __reduce__(self):
         return (
@@ -83,7 +84,7 @@ class Payload:
                 self.capability,
                 self.skeleton,
                 self.handles,
-                _pack_metas(self.metas),
+                self.metas.pack(),
                 self.transport,
                 self.producer,
                 self.transport_meta,
@@ -128,19 +129,9 @@ def get_deferred(refs: list[ray.ObjectRef], timeout: float | None = None) -> lis
         deferred.active = False
 
 
-def _pack_metas(metas: list[TensorMeta]) -> bytes:
-    # Plain tuples through the C pickler: an object of thousands of tensors would
-    # otherwise cost Ray's serializer a Python call per TensorMeta.
-    return pickle.dumps([tuple(m) for m in metas], protocol=5)
-
-
-def _unpack_metas(blob: bytes) -> list[TensorMeta]:
-    return [TensorMeta._make(row) for row in pickle.loads(blob)]
-
-
 def _rebuild(*state: Any) -> Any:
     payload = Payload(*state)
-    payload.metas = _unpack_metas(payload.metas)  # type: ignore[arg-type]
+    payload.metas = TensorMetas.unpack(payload.metas)  # type: ignore[arg-type]
     if deferred.active:
         return PendingFetch(payload)
     if _fetcher is None:  # only if raydirect._payload was loaded without its package
@@ -196,9 +187,11 @@ def _rebuild_inline(
 
 
 # ---------------------------------------------------------------- split / join
-
-_TENSOR = 0
-_HANDLE = 1
+#
+# A persistent id is an int: tensor ``i`` is ``i``, Ray handle ``j`` is ``-(j + 1)``.
+# Joining then indexes one list, ``tensors + reversed(handles)``, whose C
+# ``__getitem__`` serves as the unpickler's ``persistent_load``: a value of
+# thousands of tensors costs no Python call per tensor to rebuild.
 
 
 class _Splitter(cloudpickle.CloudPickler):
@@ -208,27 +201,30 @@ class _Splitter(cloudpickle.CloudPickler):
         self.originals: list[Any] = []
         self.tensors: list[Any] = []
         self.handles: list[Any] = []
-        self._seen: dict[int, tuple[int, int]] = {}
+        self._seen: dict[int, int] = {}
 
     def persistent_id(self, obj: Any) -> Any:
-        if type(obj) in _PLAIN:  # most of what a value holds: answered at once
+        kind = type(obj)
+        if kind in _PLAIN:  # most of what a value holds: answered at once
             return None
         found = self._seen.get(id(obj))
         if found is not None:
             return found
-        if isinstance(obj, (ray.ObjectRef, ActorHandle)):
-            pid = (_HANDLE, len(self.handles))
+        if kind is torch.Tensor and self._only is None:  # the common case, no checks
+            tensor = obj
+        elif isinstance(obj, (ray.ObjectRef, ActorHandle)):
             self.handles.append(obj)
+            pid = self._seen[id(obj)] = -len(self.handles)
+            return pid
         else:
             if self._only is not None and not isinstance(obj, self._only):
                 return None
             tensor = as_tensor(obj)
             if tensor is None:
                 return None
-            pid = (_TENSOR, len(self.tensors))
-            self.originals.append(obj)
-            self.tensors.append(tensor)
-        self._seen[id(obj)] = pid
+        pid = self._seen[id(obj)] = len(self.tensors)
+        self.originals.append(obj)
+        self.tensors.append(tensor)
         return pid
 
 
@@ -242,29 +238,52 @@ class SplitValue:
     originals: list[Any]  # the objects as found in the value (tensors, arrays)
     tensors: list[Any]  # their torch views
     handles: list[Any]
-    metas: list[TensorMeta]
+    metas: TensorMetas
+
+
+# A state dict (str keys, each value its own plain tensor) is most of what
+# travels: its skeleton is this marker and its keys, so splitting and joining one
+# of thousands of tensors costs no Python call per tensor. A pickle stream never
+# starts with a zero byte.
+_STATE_DICT = b"\x00raydirect:state-dict\x00"
+
+
+def _split_state_dict(value: Any) -> SplitValue | None:
+    if type(value) is not dict:
+        return None
+    tensors = list(value.values())
+    if not all([type(t) is torch.Tensor for t in tensors]):
+        return None
+    if not all([type(k) is str for k in value]) or len(set(map(id, tensors))) != len(tensors):
+        return None  # a tensor twice (tied weights): the general path sends it once
+    skeleton = _STATE_DICT + pickle.dumps(list(value), protocol=5)
+    return SplitValue(skeleton, tensors, tensors, [], describe_all(tensors, tensors))
 
 
 def split(value: Any, only: type | None = None) -> SplitValue:
     """Pull the tensors out of ``value``: torch tensors and numpy arrays, or only
     instances of ``only`` (a plug-in transport's ``data_type``)."""
+    if only is None and (state_dict := _split_state_dict(value)) is not None:
+        return state_dict
     buf = io.BytesIO()
     pickler = _Splitter(buf, only)
     pickler.dump(value)
-    metas = [describe(o, t) for o, t in zip(pickler.originals, pickler.tensors, strict=True)]
+    metas = describe_all(pickler.originals, pickler.tensors)
     return SplitValue(buf.getvalue(), pickler.originals, pickler.tensors, pickler.handles, metas)
 
 
-class _Joiner(pickle.Unpickler):
-    def __init__(self, data: bytes, tensors: list[Any], handles: list[Any]) -> None:
-        super().__init__(io.BytesIO(data))
-        self._tensors = tensors
-        self._handles = handles
-
-    def persistent_load(self, pid: Any) -> Any:
-        kind, index = pid
-        return self._tensors[index] if kind == _TENSOR else self._handles[index]
+def state_dict_keys(skeleton: bytes) -> list[str] | None:
+    """The keys of a value ``split`` took as a state dict, else None."""
+    if not skeleton.startswith(_STATE_DICT):
+        return None
+    return pickle.loads(skeleton[len(_STATE_DICT) :])
 
 
 def join(skeleton: bytes, tensors: list[Any], handles: list[Any]) -> Any:
-    return _Joiner(skeleton, tensors, handles).load()
+    """The value ``split`` took apart, around ``tensors`` (in order) and ``handles``."""
+    keys = state_dict_keys(skeleton)
+    if keys is not None:
+        return dict(zip(keys, tensors, strict=True))
+    unpickler = pickle.Unpickler(io.BytesIO(skeleton))
+    unpickler.persistent_load = [*tensors, *reversed(handles)].__getitem__  # type: ignore[method-assign]
+    return unpickler.load()

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
@@ -178,7 +179,7 @@ def _abort_both_sides(
         log.debug("raydirect: aborting %s failed", name, exc_info=True)
 
 
-def _mismatch(received: list[Any], metas: list[Any]) -> str | None:
+def _mismatch(received: list[Any], metas: Sequence[Any]) -> str | None:
     if len(received) != len(metas):
         return f"{len(received)} tensors where {len(metas)} were due"
     for i, (got, meta) in enumerate(zip(received, metas, strict=True)):

@@ -17,19 +17,21 @@ import logging
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
+import numpy as np
 import torch
 
 from raydirect import _groups, _process, _ray, _runtime, _server, _wire
 from raydirect._lease import leases
 from raydirect._payload import PREPARING, InlineValue, Payload, ProducerInfo, SplitValue, split
+from raydirect._ranges import ByteViews
 from raydirect._server import CONTROL, DATA, Reply
 from raydirect._store import StoredObject, store
-from raydirect._tensors import flat_bytes
+from raydirect._tensors import TensorMetas, flat_bytes
 from raydirect.errors import TransferError
 from raydirect.transports import nixl
 from raydirect.transports.base import ByteTransport, CommunicatorMetadata, metadata_classes
@@ -64,18 +66,18 @@ def inline_limit() -> int:
     return int(os.environ.get(INLINE_ENV, DEFAULT_INLINE_BYTES))
 
 
-def _inline(metas: list[Any]) -> bool:
+def _inline(metas: TensorMetas) -> bool:
     # Below a few tens of KiB a direct fetch costs more than the bytes: a lease,
     # a round trip to the producer's agent. Ray inlines small replies (up to
     # 100 KiB) in the task's own answer, so they arrive with no extra hop.
     limit = inline_limit()
     if limit <= 0:
         return False
-    return all(m.device == "cpu" for m in metas) and sum(m.nbytes for m in metas) <= limit
+    return set(metas.devices) <= {"cpu"} and metas.total_bytes() <= limit
 
 
-def _check_devices(transport: str, metas: list[Any], label: str) -> None:
-    devices = {m.device for m in metas}
+def _check_devices(transport: str, metas: TensorMetas, label: str) -> None:
+    devices = set(metas.devices)
     allowed = _AUTO_DEVICES if transport == AUTO else registration(transport).devices
     for device in sorted(devices):
         if device not in allowed:
@@ -129,7 +131,7 @@ def _extract(obj: StoredObject, name: str, background: bool, extract: Callable[[
     return PREPARING
 
 
-def _byte_extra(transport: Any, obj_id: bytes, buffers: list[torch.Tensor]) -> dict[str, Any]:
+def _byte_extra(transport: Any, obj_id: bytes, buffers: Sequence[torch.Tensor]) -> dict[str, Any]:
     # Byte transports keep only the ``extra`` dict: the rest is in the Payload.
     return dict(transport.extract_tensor_transport_metadata(obj_id, buffers).extra)
 
@@ -234,15 +236,25 @@ def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
         obj_id=secrets.token_bytes(16),
         capability=secrets.token_bytes(16),
         originals=parts.originals,
-        buffers=[flat_bytes(t) for t in parts.tensors],
+        buffers=_byte_views(parts.tensors, parts.metas),
         metas=parts.metas,
         versions=[t._version for t in parts.tensors],
         label=label,
         transport=transport,
-        nbytes=sum(m.nbytes for m in parts.metas),
+        nbytes=parts.metas.total_bytes(),
     )
     store.add(obj)
     return obj
+
+
+def _byte_views(tensors: list[torch.Tensor], metas: TensorMetas) -> ByteViews:
+    """The bytes each tensor sends; a non-contiguous one is packed once, now.
+    Flat views are made only for transports that use them: ``cma`` needs addresses."""
+    sources = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    count = len(sources)
+    addresses = np.fromiter((t.data_ptr() for t in sources), dtype=np.int64, count=count)
+    lengths = np.asarray(metas.nbytes, dtype=np.int64)
+    return ByteViews(addresses, lengths, lambda i: flat_bytes(sources[i]))
 
 
 def _extract_all(

@@ -32,7 +32,7 @@ class Ranges:
     length: np.ndarray
     count: np.ndarray
     stride: np.ndarray
-    dests: list[torch.Tensor]
+    dests: Sequence[torch.Tensor]
     whole: bool = False  # one row per tensor of the object, in order, every byte
     _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
@@ -47,10 +47,14 @@ class Ranges:
         return value
 
     @classmethod
-    def of_whole(cls, targets: list[torch.Tensor]) -> Ranges:
-        """Every byte of every tensor, tensor ``i`` into ``targets[i]``."""
+    def of_whole(cls, targets: Sequence[torch.Tensor]) -> Ranges:
+        """Every byte of every tensor, tensor ``i`` into ``targets[i]`` (flat uint8
+        tensors, or ``ByteViews``, which make them only when a transport needs them)."""
         n = len(targets)
-        lengths = np.fromiter((t.numel() for t in targets), dtype=np.int64, count=n)
+        if isinstance(targets, ByteViews):
+            lengths = targets.lengths
+        else:
+            lengths = np.fromiter((t.numel() for t in targets), dtype=np.int64, count=n)
         zeros = np.zeros(n, dtype=np.int64)
         return cls(
             np.arange(n, dtype=np.int64),
@@ -81,9 +85,7 @@ class Ranges:
     def runs(self, bases: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every run as (source address, destination address, length), where
         tensor ``i``'s bytes start at ``bases[i]``. Empty runs are left out."""
-        dest = np.fromiter(
-            (d.data_ptr() for d in self.dests), dtype=np.int64, count=len(self.dests)
-        )
+        dest = self.dest_addresses()
         src = bases[self.index] + self.offset
         if bool((self.count == 1).all()):
             keep = self.length > 0
@@ -95,6 +97,14 @@ class Ranges:
         dest = np.repeat(dest, reps) + k * length
         keep = length > 0
         return src[keep], dest[keep], length[keep]
+
+    def dest_addresses(self) -> np.ndarray:
+        """Where each row's bytes land, as addresses (no view made for ``ByteViews``)."""
+        if isinstance(self.dests, ByteViews):
+            return self.dests.addresses
+        return np.fromiter(
+            (d.data_ptr() for d in self.dests), dtype=np.int64, count=len(self.dests)
+        )
 
     def check_within(self, sizes: list[int]) -> None:
         """Refuse rows that name no tensor or reach past one (``ValueError``)."""
@@ -116,3 +126,31 @@ class Ranges:
             (int(self.stride[row]), 1),
             source.storage_offset() + int(self.offset[row]),
         )
+
+
+class ByteViews(Sequence[torch.Tensor]):
+    """The flat uint8 views of many tensors' bytes, known by address and length;
+    view ``i`` is made (once) only when asked for. Cross-memory reads need
+    addresses alone (a consumer's receive slots, a producer's tensors), and
+    making thousands of views nobody touches would cost more than reading small
+    tensors."""
+
+    def __init__(
+        self, addresses: np.ndarray, lengths: np.ndarray, view: Callable[[int], torch.Tensor]
+    ) -> None:
+        self.addresses = addresses
+        self.lengths = lengths
+        self._view = view
+        self._made: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> torch.Tensor:  # type: ignore[override]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        made = self._made.get(i)
+        if made is None:
+            made = self._made[i] = self._view(i)
+        return made

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from raydirect._tensors import TensorMeta
+from raydirect._ranges import ByteViews
+from raydirect._tensors import TensorMetas
 
 log = logging.getLogger("raydirect")
 
@@ -57,8 +58,8 @@ class StoredObject:
     obj_id: bytes
     capability: bytes
     originals: list[Any]  # what the value held: returned as-is to the producer itself
-    buffers: list[torch.Tensor]  # flat uint8 bytes to send, one per tensor
-    metas: list[TensorMeta]
+    buffers: ByteViews  # flat uint8 bytes to send, one per tensor (made on first use)
+    metas: TensorMetas
     versions: list[int]  # tensors' version counters when exported
     label: str
     transport: str
@@ -133,8 +134,7 @@ class Store:
             self._nbytes += obj.nbytes
             self._held[obj.transport] += 1
             self._held_bytes[obj.transport] += obj.nbytes
-            for original in obj.originals:
-                self._holders[id(original)] += 1
+            self._holders.update(map(id, obj.originals))
         self._used()
 
     def get(self, obj_id: bytes) -> StoredObject | None:
@@ -178,11 +178,10 @@ class Store:
             except Exception:
                 log.exception("raydirect: releasing object %s failed", obj_id.hex()[:8])
         with self._lock:
-            for original in obj.originals:
-                key = id(original)
-                self._holders[key] -= 1
-                if self._holders[key] <= 0:
-                    del self._holders[key]
+            keys = list(map(id, obj.originals))
+            self._holders.subtract(keys)
+            for key in [k for k in keys if self._holders[k] <= 0]:
+                self._holders.pop(key, None)
             self._lock.notify_all()
 
     def clear(self) -> None:

@@ -14,10 +14,13 @@ then owns the mapping (closing it under a live tensor would crash the next read)
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
+import pickle
 import sys
 import threading
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -97,16 +100,98 @@ def as_tensor(obj: Any) -> torch.Tensor | None:
     return None
 
 
-def describe(obj: Any, tensor: torch.Tensor) -> TensorMeta:
-    if type(obj) is torch.Tensor:  # the common case, without the checks below
-        return TensorMeta(
-            tuple(tensor.shape),
-            DTYPE_NAMES[tensor.dtype],
-            tensor.numel() * tensor.element_size(),
-            tensor.device.type,
-            KIND_TORCH,
-            obj.requires_grad,
+# kind, requires_grad, is_parameter, np_dtype of a plain torch tensor without grad.
+_PLAIN_REST = (KIND_TORCH, False, False, None)
+
+
+class TensorMetas(Sequence[TensorMeta]):
+    """The ``TensorMeta`` of each tensor of one object, kept as columns.
+
+    An object of thousands of tensors is then described, packed, sent and
+    unpacked in bulk (lists that pickle reads and writes in C), and the hot paths
+    read the column they need (``nbytes``, ``shapes``) with no Python object per
+    tensor. Indexing gives a ``TensorMeta``, as a list of them would."""
+
+    __slots__ = ("shapes", "dtypes", "nbytes", "devices", "rest")
+
+    def __init__(
+        self,
+        shapes: list[tuple[int, ...]],
+        dtypes: list[str],
+        nbytes: list[int],
+        devices: list[str],
+        rest: list[tuple[int, bool, bool, str | None]] | None = None,
+    ) -> None:
+        self.shapes = shapes
+        self.dtypes = dtypes
+        self.nbytes = nbytes
+        self.devices = devices
+        # (kind, requires_grad, is_parameter, np_dtype) per tensor; None: all plain.
+        self.rest = rest
+
+    @classmethod
+    def of(cls, metas: Iterable[TensorMeta]) -> TensorMetas:
+        rows = list(metas)
+        rest = [(m.kind, m.requires_grad, m.is_parameter, m.np_dtype) for m in rows]
+        return cls(
+            [m.shape for m in rows],
+            [m.dtype for m in rows],
+            [m.nbytes for m in rows],
+            [m.device for m in rows],
+            None if all(r == _PLAIN_REST for r in rest) else rest,
         )
+
+    def __len__(self) -> int:
+        return len(self.nbytes)
+
+    def __getitem__(self, i: int) -> TensorMeta:  # type: ignore[override]
+        rest = _PLAIN_REST if self.rest is None else self.rest[i]
+        return TensorMeta(self.shapes[i], self.dtypes[i], self.nbytes[i], self.devices[i], *rest)
+
+    def __iter__(self) -> Iterator[TensorMeta]:
+        return (self[i] for i in range(len(self)))
+
+    def select(self, indices: Iterable[int]) -> TensorMetas:
+        """The metas of tensors ``indices``, in that order."""
+        pick = list(indices)
+        return TensorMetas(
+            [self.shapes[i] for i in pick],
+            [self.dtypes[i] for i in pick],
+            [self.nbytes[i] for i in pick],
+            [self.devices[i] for i in pick],
+            None if self.rest is None else [self.rest[i] for i in pick],
+        )
+
+    def total_bytes(self) -> int:
+        return sum(self.nbytes)
+
+    def pack(self) -> bytes:
+        return pickle.dumps(
+            (self.shapes, self.dtypes, self.nbytes, self.devices, self.rest), protocol=5
+        )
+
+    @classmethod
+    def unpack(cls, blob: bytes) -> TensorMetas:
+        return cls(*pickle.loads(blob))
+
+
+def describe_all(originals: list[Any], tensors: list[torch.Tensor]) -> TensorMetas:
+    """``describe`` each (original, torch view) pair; plain torch tensors in bulk."""
+    if not all([type(o) is torch.Tensor for o in originals]):
+        return TensorMetas.of(describe(o, t) for o, t in zip(originals, tensors, strict=True))
+    # One pass per attribute: an object of thousands of tensors pays C calls, not
+    # a Python function call per tensor.
+    grads = [t.requires_grad for t in tensors]
+    return TensorMetas(
+        [tuple(t.shape) for t in tensors],
+        [DTYPE_NAMES[t.dtype] for t in tensors],
+        [t.nbytes for t in tensors],
+        ["cpu" if t.is_cpu else t.device.type for t in tensors],  # .device costs more
+        [(KIND_TORCH, g, False, None) for g in grads] if any(grads) else None,
+    )
+
+
+def describe(obj: Any, tensor: torch.Tensor) -> TensorMeta:
     is_numpy = isinstance(obj, np.ndarray)
     kind = KIND_NUMPY if is_numpy else KIND_TORCH if isinstance(obj, torch.Tensor) else KIND_JAX
     return TensorMeta(
@@ -135,20 +220,21 @@ def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-def arena_layout(metas: list[TensorMeta]) -> tuple[list[int], int]:
+def arena_layout(metas: Sequence[TensorMeta]) -> tuple[list[int], int]:
     """Offsets of each tensor in an arena, and the arena's size."""
+    if isinstance(metas, TensorMetas):
+        return aligned_offsets(metas.nbytes)
     return aligned_offsets([meta.nbytes for meta in metas])
 
 
 def aligned_offsets(sizes: list[int]) -> tuple[list[int], int]:
     """Offsets of regions of ``sizes`` bytes laid end to end, each aligned to a
     cache line (so every dtype view is aligned), and the total size."""
-    offsets = []
-    pos = 0
-    for size in sizes:
-        offsets.append(pos)
-        pos += (size + _ALIGN - 1) // _ALIGN * _ALIGN
-    return offsets, pos
+    if not sizes:
+        return [], 0
+    rounded = (np.asarray(sizes, dtype=np.int64) + (_ALIGN - 1)) // _ALIGN * _ALIGN
+    ends = np.cumsum(rounded)
+    return (ends - rounded).tolist(), int(ends[-1])
 
 
 class _ReceiveRegions:
@@ -239,31 +325,39 @@ def allocate_bytes(nbytes: int, device: str = "cpu") -> torch.Tensor:
     return _regions.take(nbytes)
 
 
-def tensors_from_arena(arena: torch.Tensor, metas: list[TensorMeta], offsets: list[int]) -> list:
+def tensors_from_arena(arena: torch.Tensor, metas: TensorMetas, offsets: list[int]) -> list:
     """Views of ``arena`` shaped as ``metas`` describe: torch tensors or numpy arrays.
     One typed view of the arena per dtype, then one ``as_strided`` per tensor:
     an object of thousands of tensors pays one call each, not three."""
-    typed: dict[torch.dtype, torch.Tensor] = {}
+    typed: dict[str, tuple[Any, int]] = {}  # dtype name -> (the arena's as_strided, size)
     out: list[Any] = []
-    for meta, off in zip(metas, offsets, strict=True):
-        dtype = torch_dtype(meta.dtype)
-        if meta.nbytes == 0:
-            out.append(finish(torch.empty(meta.shape, dtype=dtype), meta))
+    strides = contiguous_strides
+    for shape, dtype, nbytes, off in zip(
+        metas.shapes, metas.dtypes, metas.nbytes, offsets, strict=True
+    ):
+        if nbytes == 0:
+            out.append(torch.empty(shape, dtype=torch_dtype(dtype)))
             continue
         view = typed.get(dtype)
         if view is None:  # slots are 64-byte aligned, so every offset is a whole element
-            view = typed[dtype] = arena.view(dtype)
-        t = view.as_strided(meta.shape, _contiguous_strides(meta.shape), off // view.element_size())
-        plain = meta.kind == KIND_TORCH and not (meta.requires_grad or meta.is_parameter)
-        out.append(t if plain else finish(t, meta))
-    return out
+            as_dtype = arena.view(torch_dtype(dtype))
+            view = typed[dtype] = (as_dtype.as_strided, as_dtype.element_size())
+        out.append(view[0](shape, strides(shape), off // view[1]))
+    if metas.rest is None:
+        return out
+    return [
+        t if rest == _PLAIN_REST else finish(t, metas[i])
+        for i, (t, rest) in enumerate(zip(out, metas.rest, strict=True))
+    ]
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
+@functools.lru_cache(maxsize=4096)
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (kept: a model repeats a few shapes many times)."""
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]
-    return strides
+    return tuple(strides)
 
 
 def finish(t: torch.Tensor, meta: TensorMeta) -> Any:

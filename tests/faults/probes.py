@@ -56,9 +56,7 @@ def fd_baseline(*pids: int) -> dict[int, dict[str, str]]:
     return {pid: fd_targets(pid) for pid in pids}
 
 
-def fds_back(
-    baseline: dict[int, dict[str, str]], slack: int = 0
-) -> Callable[[], str | None]:
+def fds_back(baseline: dict[int, dict[str, str]], slack: int = 0) -> Callable[[], str | None]:
     """No surviving process holds more fds than at ``baseline`` (see ``fd_baseline``),
     give or take ``slack``."""
 
@@ -202,8 +200,10 @@ def stream_port(actor: Any) -> int:
     """The port of the actor's stream server (where large ``tcp`` reads move)."""
     return ray.get(
         actor.__ray_call__.remote(
-            lambda self: __import__("raydirect._runtime", fromlist=["agent"]).agent()
-            and __import__("raydirect._stream_server", fromlist=["running"]).running().port
+            lambda self: (
+                __import__("raydirect._runtime", fromlist=["agent"]).agent()
+                and __import__("raydirect._stream_server", fromlist=["running"]).running().port
+            )
         )
     )
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -261,7 +262,7 @@ class TensorTransportManager(ABC):
         """Wait for a fetch (``timeout`` seconds, -1 for ever; ``TimeoutError`` past it)."""
         return fetch_request.tensors
 
-    def garbage_collect(self, obj_id: Any, meta: Any, tensors: list[Any]) -> None:
+    def garbage_collect(self, obj_id: Any, meta: Any, tensors: Sequence[Any]) -> None:
         """Called in the producer once no ref to the object is left anywhere (on a
         reaper thread). Release what ``extract``/``serve`` set up. Exceptions are
         logged and ignored. Received copies are the consumer's, never collected here."""

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raydirect._ranges import Ranges
+from raydirect._ranges import ByteViews, Ranges
 from raydirect.errors import ProducerLostError, TransferError, TransportUnavailableError
 from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
@@ -196,9 +196,13 @@ class CmaTransport(ByteTransport):
     def extract_tensor_transport_metadata(
         self, obj_id: bytes, tensors: list[torch.Tensor]
     ) -> TensorTransportMetadata:
-        return TensorTransportMetadata(
-            tensor_meta=[], extra={"ptrs": [t.data_ptr() for t in tensors]}
+        # The producer's tensors come as ByteViews: their addresses, no view made.
+        ptrs = (
+            tensors.addresses.tolist()
+            if isinstance(tensors, ByteViews)
+            else [t.data_ptr() for t in tensors]
         )
+        return TensorTransportMetadata(tensor_meta=[], extra={"ptrs": ptrs})
 
     def receive(
         self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -130,7 +131,7 @@ class CollectiveTransport(ByteTransport):
                 ) from exc
 
     def _receive_posted(
-        self, group: _groups.Group, src: int, tag: int, targets: list[Any], link: PeerMetadata
+        self, group: _groups.Group, src: int, tag: int, targets: Sequence[Any], link: PeerMetadata
     ) -> None:
         works = [group.process_group.recv([t], src, tag) for t in targets if t.numel()]
         remaining = link.remaining()

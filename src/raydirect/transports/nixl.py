@@ -37,6 +37,7 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -254,7 +255,7 @@ class NixlTransport(ByteTransport):
             if keys is not None:
                 self._drop(keys)
 
-    def garbage_collect(self, obj_id: bytes, meta: Any, tensors: list[torch.Tensor]) -> None:
+    def garbage_collect(self, obj_id: bytes, meta: Any, tensors: Sequence[torch.Tensor]) -> None:
         self._release(obj_id)
 
     def registered_bytes(self) -> tuple[int, int]:

@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -279,7 +280,7 @@ class ShmTransport(ByteTransport):
         asked = request.get("nbytes")  # what the consumer copies out (all, or its ranges)
         return min(int(asked), obj.nbytes) if isinstance(asked, int) else obj.nbytes
 
-    def garbage_collect(self, obj_id: bytes, meta: Any, tensors: list[torch.Tensor]) -> None:
+    def garbage_collect(self, obj_id: bytes, meta: Any, tensors: Sequence[torch.Tensor]) -> None:
         if self._pool is not None:
             self._pool.release(obj_id)
 

@@ -15,6 +15,7 @@ frame once more; with ``RAYDIRECT_TCP_STREAMS=0`` every object goes this way).
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -56,7 +57,7 @@ def requested(obj: StoredObject, request: dict[str, Any]) -> Ranges | None:
         return None
     try:
         ranges = Ranges.of_rows([[int(v) for v in row] for row in rows], [])
-        ranges.check_within([b.numel() for b in obj.buffers])
+        ranges.check_within(obj.buffers.lengths.tolist())
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad ranges in the request: {exc}") from exc
     return ranges
@@ -123,7 +124,7 @@ class TcpTransport(ByteTransport):
 
 
 def _receive_streams(
-    ch: Channel, offer: dict[str, Any], link: PeerMetadata, dests: list[torch.Tensor]
+    ch: Channel, offer: dict[str, Any], link: PeerMetadata, dests: Sequence[torch.Tensor]
 ) -> None:
     who = link.who
     try:
@@ -152,7 +153,7 @@ def _receive_streams(
         ) from exc
 
 
-def _copy_inline(frames: list[Any], targets: list[torch.Tensor], who: str) -> None:
+def _copy_inline(frames: list[Any], targets: Sequence[torch.Tensor], who: str) -> None:
     if len(frames) != len(targets):
         raise TransferError(
             f"corrupt reply from {who}: {len(frames)} tensors where {len(targets)} were due"
