@@ -136,7 +136,8 @@ def answers(conn: socket.socket) -> list[int]:
 
 def test_a_read_that_times_out_leaves_no_ticket_behind(pair, monkeypatch):
     """The consumer gives up after its deadline: the producer drops the ticket (and
-    the bytes it keeps alive) when sending to the closed stream fails."""
+    the bytes it keeps alive) when sending to the closed stream fails, or, when the
+    consumer gave up before naming it, ``UNCLAIMED_TTL_S`` after issuing it."""
     p, _ = pair
     monkeypatch.setenv(_stream_client.ENV_STREAMS, "2")
     big = p.big.remote(256 << 20, 4)
@@ -146,3 +147,20 @@ def test_a_read_that_times_out_leaves_no_ticket_behind(pair, monkeypatch):
     assert pending_tickets(p, timeout=30) == 0
     got = rd.get(big, timeout=60, tensor_transport="tcp")  # and it reads again, whole
     assert got.numel() == 256 << 20 and int(got[1]) == 4
+
+
+def test_a_ticket_no_connection_names_is_dropped_and_a_named_one_is_kept(monkeypatch):
+    """In one process: a consumer that got a ticket and never came leaves nothing
+    for longer than ``UNCLAIMED_TTL_S``; a ticket being sent keeps its full TTL."""
+    monkeypatch.setattr(_stream_server, "UNCLAIMED_TTL_S", 0.2)
+    server = _stream_server.StreamServer("127.0.0.1")
+    never, _ = server.issue([memoryview(bytes(64))])
+    named, _ = server.issue([memoryview(bytes(64))])
+    assert server._claim(named) is not None
+    assert server.pending() == 2
+    deadline = time.monotonic() + 10
+    while server.pending() > 1 and time.monotonic() < deadline:
+        server._sweep()
+        time.sleep(0.05)
+    assert server.pending() == 1
+    assert server._claim(never) is None and server._claim(named) is not None

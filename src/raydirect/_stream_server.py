@@ -16,7 +16,9 @@ and then those bytes of the transfer. Junk costs one fixed-size read and a
 dictionary lookup before the connection is closed; nothing is decoded.
 
 A ticket ends when all its bytes were sent, when sending a window fails (the
-consumer gave up), or after ``TICKET_TTL_S`` (a consumer that never came).
+consumer gave up), ``UNCLAIMED_TTL_S`` after it was issued if no connection has
+named it (a consumer that gave up or died between the ticket and its first
+window), or after ``TICKET_TTL_S`` in any case.
 Connections are bounded (``MAX_CONNECTIONS``); one that never named a live
 ticket is closed after ``FIRST_REQUEST_TIMEOUT_S``, an idle one after
 ``IDLE_TIMEOUT_S``.
@@ -39,7 +41,9 @@ log = logging.getLogger("raydirect")
 MAGIC = b"RDS1"
 HEADER = struct.Struct("<4s16sQQ")  # magic, ticket, offset, length
 OK, UNKNOWN_TICKET, BAD_WINDOW = 0, 1, 2
-# Consumers open every window of a transfer as soon as they get its ticket.
+# Consumers open every window of a transfer as soon as they get its ticket, so a
+# ticket no connection names for this long has no consumer left.
+UNCLAIMED_TTL_S = 10.0
 TICKET_TTL_S = 60.0
 _SWEEP_S = 5.0  # how often expired tickets (and the memory they keep) are dropped
 # A new connection must name a live ticket this soon; one that has been served
@@ -55,8 +59,13 @@ class Ticket:
     views: list[memoryview]
     nbytes: int
     expires: float
+    claimed_until: float  # the expiry while no connection has named it
     sent: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _expired(ticket: Ticket, now: float) -> bool:
+    return ticket.expires < now or ticket.claimed_until < now
 
 
 class StreamServer:
@@ -80,14 +89,17 @@ class StreamServer:
         ticket = secrets.token_bytes(16)
         nbytes = sum(len(v) for v in views)
         self._sweep()
+        now = time.monotonic()
         with self._lock:
-            self._tickets[ticket] = Ticket(views, nbytes, time.monotonic() + TICKET_TTL_S)
+            self._tickets[ticket] = Ticket(
+                views, nbytes, now + TICKET_TTL_S, claimed_until=now + UNCLAIMED_TTL_S
+            )
         return ticket, nbytes
 
     def _sweep(self) -> None:
         now = time.monotonic()
         with self._lock:
-            for key in [k for k, t in self._tickets.items() if t.expires < now]:
+            for key in [k for k, t in self._tickets.items() if _expired(t, now)]:
                 del self._tickets[key]
 
     def _drop(self, key: bytes) -> None:
@@ -102,9 +114,11 @@ class StreamServer:
     def _claim(self, ticket: bytes) -> Ticket | None:
         with self._lock:
             found = self._tickets.get(ticket)
-            if found is not None and found.expires < time.monotonic():
+            if found is not None and _expired(found, time.monotonic()):
                 del self._tickets[ticket]
                 return None
+            if found is not None:
+                found.claimed_until = found.expires  # named: the whole TTL from now on
             return found
 
     def _sent(self, key: bytes, ticket: Ticket, nbytes: int) -> None:
