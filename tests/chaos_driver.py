@@ -16,11 +16,12 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from collections import Counter
 from typing import Any
+
+import loopback  # this script's folder is on sys.path
 
 PRODUCERS = 2
 CONSUMERS = 3
@@ -32,7 +33,6 @@ TRANSPORTS = ("auto", "shm", "tcp")
 # "nested": each value also holds a ref its producer owns, as a raydirect lease is.
 CONTROL = os.environ.get("RAYDIRECT_CHAOS_CONTROL", "") in ("1", "nested")
 NESTED = os.environ.get("RAYDIRECT_CHAOS_CONTROL") == "nested"
-TCP_CLOSE = 7  # TCP_INFO's state of a socket that is neither connected nor listening
 
 
 BOUND_S = READ_TIMEOUT_S + 30
@@ -73,32 +73,6 @@ def fd_kinds(pid: int, detail: bool = False) -> dict[str, int]:
     return dict(kinds)
 
 
-def closed_tcp6() -> int:
-    """This process's IPv6 TCP sockets in state CLOSE (in no /proc/net table).
-
-    Ray's core worker (gRPC, dual-stack sockets) keeps one per failed connection
-    to a dead owner of a ref it borrowed: the nested control (plain Ray, no
-    raydirect, a producer-owned ref in each value) grows them as fast as
-    raydirect's consumers do, whose leases are such refs. raydirect's own
-    connections are IPv4 (the node address) and are counted apart."""
-    count = 0
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-                continue
-            sock = socket.socket(fileno=int(fd))
-        except OSError:
-            continue
-        try:
-            if sock.family == socket.AF_INET6 and sock.type == socket.SOCK_STREAM:
-                count += sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 1)[0] == TCP_CLOSE
-        except OSError:
-            pass
-        finally:
-            sock.detach()  # the fd stays its owner's
-    return count
-
-
 def unexplained(outcome: dict[str, Any]) -> bool:
     """An error that is neither raydirect's nor Ray's own."""
     if outcome["result"] != "error" or outcome["raydirect"]:
@@ -109,8 +83,11 @@ def unexplained(outcome: dict[str, Any]) -> bool:
 def main() -> None:
     import ray
     import torch
+    from ray import cloudpickle
 
     import raydirect as rd
+
+    cloudpickle.register_pickle_by_value(loopback)  # its probe runs in the consumers
 
     seconds, seed = float(sys.argv[1]), int(sys.argv[2])
 
@@ -169,7 +146,7 @@ def main() -> None:
 
             zsockets = [o for o in objects if isinstance(o, zmq.Socket) and not o.closed]
             return {
-                "closed_tcp6": closed_tcp6(),
+                "closed_tcp6": loopback.ipv6_tcp_sockets(only_closed=True),
                 "zmq_sockets": len(zsockets),
                 "zmq_socket_types": sorted(z.socket_type for z in zsockets),
                 "open_channels": len(live),

@@ -22,6 +22,8 @@ import time
 from collections import Counter
 from typing import Any
 
+import loopback  # this script's folder is on sys.path
+
 CLIENTS = 2
 TRANSFER_BYTES = 1 << 20
 BIG_BYTES = 24 << 20
@@ -139,8 +141,11 @@ def idle_phase(ray: Any, rd: Any, torch: Any, p: Any, agent: dict[str, Any]) -> 
 def main() -> None:
     import ray
     import torch
+    from ray import cloudpickle
 
     import raydirect as rd
+
+    cloudpickle.register_pickle_by_value(loopback)  # its probe runs in the producer
 
     messages = int(sys.argv[1]) if len(sys.argv) > 1 else 50_000
 
@@ -173,6 +178,9 @@ def main() -> None:
                 "node_ip": ray.util.get_node_ip_address(),
             }
 
+        def ray_sockets(self) -> int:
+            return loopback.ipv6_tcp_sockets()
+
         def python_threads(self) -> list[str]:
             import threading
 
@@ -202,6 +210,7 @@ def main() -> None:
     base = census(agent["pid"])
     base_detail = describe(agent["pid"])
     base_threads = ray.get(p.python_threads.remote())
+    base_ray_sockets = ray.get(p.ray_sockets.remote())
 
     clients = [
         subprocess.Popen(
@@ -245,6 +254,8 @@ def main() -> None:
         "idle": idle,
         "census_before": base,
         "census_after": now,
+        "ray_sockets_before": base_ray_sockets,
+        "ray_sockets_after": ray.get(p.ray_sockets.remote()),
         "python_threads_before": base_threads,
         "python_threads_after": ray.get(p.python_threads.remote()),
         "grown": {
