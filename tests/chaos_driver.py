@@ -125,35 +125,27 @@ def main() -> None:
             return os.getpid()
 
         def held(self) -> dict[str, Any]:
-            """What raydirect holds here: channels to agents, and threads."""
+            """What raydirect holds here (channels to agents, ZeroMQ and Python
+            sockets, threads), and Ray's closed dual-stack sockets, counted apart."""
             import gc
             import socket
             import threading
 
+            import zmq
+
             from raydirect import _channel
 
             objects = gc.get_objects()
-            found = [o for o in objects if isinstance(o, _channel.Channel)]
-            live = [c for c in found if not c.socket.closed]
-            sockets = [o for o in objects if isinstance(o, socket.socket) and o.fileno() >= 0]
-            unconnected = 0
-            for s in sockets:
-                try:
-                    s.getpeername()
-                except OSError:
-                    unconnected += 1
-            import zmq
-
-            zsockets = [o for o in objects if isinstance(o, zmq.Socket) and not o.closed]
+            live = [o for o in objects if isinstance(o, _channel.Channel) and not o.socket.closed]
             return {
                 "closed_tcp6": loopback.ipv6_tcp_sockets(only_closed=True),
-                "zmq_sockets": len(zsockets),
-                "zmq_socket_types": sorted(z.socket_type for z in zsockets),
+                "zmq_sockets": sum(isinstance(o, zmq.Socket) and not o.closed for o in objects),
                 "open_channels": len(live),
                 "channel_addresses": len({c.address for c in live}),
                 "threads": threading.active_count(),
-                "python_sockets": len(sockets),
-                "python_sockets_unconnected": unconnected,
+                "python_sockets": sum(
+                    isinstance(o, socket.socket) and o.fileno() >= 0 for o in objects
+                ),
             }
 
         def close_idle(self) -> int:

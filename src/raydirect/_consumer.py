@@ -329,7 +329,7 @@ def _slots(
         )
     # Slot starts by tensor index: the offsets themselves when the arena holds all.
     starts: Any = dict(zip(missing, offsets, strict=True)) if into else offsets
-    if into:
+    if into:  # data_address written out for tensors: no function call per target
         addresses[np.fromiter(into, dtype=np.int64, count=len(into))] = [
             t.data_ptr() if type(t) is torch.Tensor else data_address(t) for t in into.values()
         ]
