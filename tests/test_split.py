@@ -30,7 +30,7 @@ def test_a_state_dict_skips_the_pickler_and_joins_back_in_order():
     value = _state_dict()
     parts = _payload.split(value)
     assert parts.skeleton.startswith(_payload._STATE_DICT)
-    assert _payload.state_dict_keys(parts.skeleton) == list(value)
+    assert _payload.state_dict_keys(parts.skeleton) == tuple(value)
     back = _payload.join(parts.skeleton, parts.tensors, parts.handles)
     assert list(back) == list(value) and mismatch(back, value) is None
 

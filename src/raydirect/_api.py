@@ -17,8 +17,16 @@ import ray
 import torch
 
 from raydirect import _ray
+from raydirect._collector import collector_paused
 from raydirect._consumer import fetch_value
-from raydirect._into import check_device_fits, match, on_device, set_hint, target_device
+from raydirect._into import (
+    check_device_fits,
+    describe_targets,
+    match,
+    on_device,
+    set_hint,
+    target_device,
+)
 from raydirect._payload import PendingFetch, get_deferred, join, split
 from raydirect._producer import export
 from raydirect._store import LocalStats, store
@@ -161,6 +169,8 @@ def get(
     ref_list = [refs] if single else list(refs)
     intos = _per_ref(into, single, len(ref_list))
     deadline = None if timeout is None else time.monotonic() + timeout
+    with collector_paused():  # before the values arrive: while the producers export
+        described = [describe_targets(target) for target in intos]
     values = get_deferred(ref_list, timeout)
     pending = [i for i, v in enumerate(values) if isinstance(v, PendingFetch)]
     for i, target in enumerate(intos):
@@ -170,7 +180,12 @@ def get(
                 "use into= only for objects made by rd.method or rd.put"
             )
     # Checked before any transfer starts, so a bad target moves nothing.
-    targets = {i: match(values[i].payload, intos[i]) for i in pending if intos[i] is not None}
+    with collector_paused():
+        targets = {
+            i: match(values[i].payload, intos[i], described[i])
+            for i in pending
+            if intos[i] is not None
+        }
     if dev is not None:
         for i in pending:
             check_device_fits(values[i].payload.metas, dev)

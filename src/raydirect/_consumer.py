@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from raydirect import _channel, _payload, _plugin_transfer, _process, _ray, _wire
+from raydirect._collector import collector_paused
 from raydirect._into import (
     copy_into,
     data_address,
@@ -295,16 +296,21 @@ def _receive_bytes(
     into: dict[int, Any],
 ) -> list[Any]:
     metas = payload.metas
-    missing = [i for i in range(len(metas)) if i not in into] if into else range(len(metas))
-    landing = metas.select(missing) if into else metas  # in the arena
-    offsets, total = arena_layout(landing)
-    device = _allocatable(_arena_device(name, payload), name) if missing else "cpu"
-    arena = allocate_bytes(total, device) if missing else None
-    slots = _slots(metas, missing, offsets, arena, into)
+    with collector_paused():  # thousands of slots laid out: no collection midway
+        if len(into) == len(metas):  # every tensor has a target
+            missing: Sequence[int] = ()
+        else:
+            missing = [i for i in range(len(metas)) if i not in into] if into else range(len(metas))
+        landing = metas.select(missing) if into else metas  # in the arena
+        offsets, total = arena_layout(landing)
+        device = _allocatable(_arena_device(name, payload), name) if missing else "cpu"
+        arena = allocate_bytes(total, device) if missing else None
+        slots = _slots(metas, missing, offsets, arena, into)
     _read_bytes(name, payload, deadline, forced, Ranges.of_whole(slots))
     if arena is None:
-        return [into[i] for i in range(len(metas))]
-    received = tensors_from_arena(arena, landing, offsets)
+        return list(map(into.__getitem__, range(len(metas))))
+    with collector_paused():
+        received = tensors_from_arena(arena, landing, offsets)
     if not into:
         return received
     out: list[Any] = [into.get(i) for i in range(len(metas))]
@@ -330,9 +336,14 @@ def _slots(
     # Slot starts by tensor index: the offsets themselves when the arena holds all.
     starts: Any = dict(zip(missing, offsets, strict=True)) if into else offsets
     if into:  # data_address written out for tensors: no function call per target
-        addresses[np.fromiter(into, dtype=np.int64, count=len(into))] = [
-            t.data_ptr() if type(t) is torch.Tensor else data_address(t) for t in into.values()
-        ]
+        known = getattr(into, "addresses", None)  # MatchedTargets: read when described
+        addresses[np.fromiter(into, dtype=np.int64, count=len(into))] = (
+            known
+            if known is not None
+            else [
+                t.data_ptr() if type(t) is torch.Tensor else data_address(t) for t in into.values()
+            ]
+        )
 
     def view(i: int) -> torch.Tensor:
         if i in into:
@@ -452,7 +463,8 @@ def fetch_value(
         else:
             targets = match(payload, hint)
     tensors = fetch_tensors(payload, deadline, forced, targets, device)
-    return join(payload.skeleton, tensors, payload.handles)
+    with collector_paused():
+        return join(payload.skeleton, tensors, payload.handles)
 
 
 _payload.set_fetcher(fetch_value)

@@ -29,12 +29,13 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from raydirect._payload import Payload, join, state_dict_keys
+from raydirect._payload import Payload, join, state_dict_index, state_dict_keys
 from raydirect._tensors import (
     DTYPE_NAMES,
     KIND_TORCH,
@@ -59,11 +60,93 @@ class _Slot:
         self.index = index
 
 
-def match(payload: Payload, into: Any) -> dict[int, Any]:
-    """The target for each of ``payload``'s tensors that ``into`` covers, by index.
+class MatchedTargets(dict[int, Any]):
+    """Targets by tensor index, matched in bulk from ``DescribedTargets``:
+    ``addresses`` holds each target's address in this dict's order, so the read
+    plan asks no tensor again."""
+
+    addresses: np.ndarray
+
+
+@dataclass(frozen=True, slots=True)
+class DescribedTargets:
+    """An ``into=`` that is a state dict of contiguous plain tensors in distinct
+    memory, described column by column. ``rd.get`` describes it before the value
+    arrives, while the producer is still exporting; matching it is then a few
+    list comparisons."""
+
+    keys: tuple[str, ...]
+    tensors: list[torch.Tensor]
+    shapes: list[torch.Size]
+    dtypes: list[str]
+    devices: list[str]
+    addresses: list[int]
+
+
+def describe_targets(into: Any) -> DescribedTargets | None:
+    """``into`` described for ``match``, or None where it is not such a state dict
+    (``match`` then walks it and names what does not fit)."""
+    if not isinstance(into, dict):
+        return None
+    tensors = list(into.values())
+    if not all([type(t) is torch.Tensor for t in tensors]):
+        return None
+    if not all([type(k) is str for k in into]) or not all([t.is_contiguous() for t in tensors]):
+        return None
+    addresses = [t.data_ptr() for t in tensors]
+    nonempty = [a for a, t in zip(addresses, tensors, strict=True) if t.nbytes]
+    if len(set(nonempty)) != len(nonempty):
+        return None  # two targets share memory: match names them
+    return DescribedTargets(
+        tuple(into),
+        tensors,
+        [t.shape for t in tensors],
+        [DTYPE_NAMES[t.dtype] for t in tensors],
+        ["cpu" if t.is_cpu else t.device.type for t in tensors],  # .device costs more
+        addresses,
+    )
+
+
+def _match_described(payload: Payload, into: DescribedTargets) -> MatchedTargets | None:
+    """``into`` matched by key, when every target fits; None sends the caller
+    through the checks one by one (which name what does not fit)."""
+    keys, index = state_dict_keys(payload.skeleton), state_dict_index(payload.skeleton)
+    if keys is None or index is None:
+        return None
+    metas = payload.metas
+    if into.keys == keys:  # the same dict as the producer's, in its order
+        order: Sequence[int] = range(len(keys))
+        fits = (
+            into.shapes == metas.shapes
+            and into.dtypes == metas.dtypes
+            and into.devices == metas.devices
+        )
+    else:
+        if not into.keys or not all([k in index for k in into.keys]):
+            return None
+        order = [index[k] for k in into.keys]
+        fits = (
+            into.shapes == [metas.shapes[i] for i in order]
+            and into.dtypes == [metas.dtypes[i] for i in order]
+            and into.devices == [metas.devices[i] for i in order]
+        )
+    if not fits:
+        return None
+    found = MatchedTargets(zip(order, into.tensors, strict=True))
+    found.addresses = np.asarray(into.addresses, dtype=np.int64)
+    return found
+
+
+def match(payload: Payload, into: Any, described: DescribedTargets | None = None) -> dict[int, Any]:
+    """The target for each of ``payload``'s tensors that ``into`` covers, by index
+    (``described``: ``into`` as ``describe_targets`` gave it).
 
     Raises ``ValueError`` or ``TypeError`` naming the first target that does not fit.
     """
+    if described is not None:
+        matched = _match_described(payload, described)
+        if matched is not None:
+            return matched
     if isinstance(into, (torch.Tensor, np.ndarray)):
         if len(payload.metas) != 1:
             raise ValueError(
@@ -78,11 +161,9 @@ def match(payload: Payload, into: Any) -> dict[int, Any]:
 
 
 def _match_structure(payload: Payload, into: Any) -> dict[int, Any]:
-    keys = state_dict_keys(payload.skeleton)
-    if keys is not None and isinstance(into, Mapping):  # a state dict: in bulk
-        index = dict(zip(keys, range(len(keys)), strict=True))
-        if into.keys() <= index.keys():
-            return {index[k]: t for k, t in into.items() if t is not None}
+    index = state_dict_index(payload.skeleton)
+    if index is not None and isinstance(into, Mapping) and into.keys() <= index.keys():
+        return {index[k]: t for k, t in into.items() if t is not None}  # a state dict: in bulk
     count = len(payload.metas)
     slots = [_Slot(i) for i in range(count)]
     try:

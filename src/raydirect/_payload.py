@@ -16,11 +16,13 @@ and ``_rebuild`` hands the Payload to the fetcher the consumer layer registered
 
 from __future__ import annotations
 
+import functools
 import io
 import itertools
 import pickle
 import threading
 import weakref
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,6 +35,8 @@ from ray.actor import ActorHandle
 from raydirect import _process
 from raydirect._tensors import TensorMetas, as_tensor, describe_all
 
+# Layouts (a state dict's keys, an object's metas) kept by content per process.
+_LAYOUTS_KEPT = 8
 # Stands in ``Payload.transport_meta`` for metadata the producer still prepares
 # in the background: the consumer asks the producer's agent for it.
 PREPARING = "raydirect:preparing"
@@ -129,9 +133,17 @@ def get_deferred(refs: list[ray.ObjectRef], timeout: float | None = None) -> lis
         deferred.active = False
 
 
+@functools.lru_cache(maxsize=_LAYOUTS_KEPT)
+def _unpacked_metas(blob: bytes) -> TensorMetas:
+    # Kept by content: a producer that sends the same tensors step after step
+    # sends the same metas, and 5,000 of them cost a millisecond and thousands of
+    # tuples to unpack. Shared between Payloads: nothing writes a TensorMetas.
+    return TensorMetas.unpack(blob)
+
+
 def _rebuild(*state: Any) -> Any:
     payload = Payload(*state)
-    payload.metas = TensorMetas.unpack(payload.metas)  # type: ignore[arg-type]
+    payload.metas = _unpacked_metas(payload.metas)
     if deferred.active:
         return PendingFetch(payload)
     if _fetcher is None:  # only if raydirect._payload was loaded without its package
@@ -256,8 +268,28 @@ def _split_state_dict(value: Any) -> SplitValue | None:
         return None
     if not all([type(k) is str for k in value]) or len(set(map(id, tensors))) != len(tensors):
         return None  # a tensor twice (tied weights): the general path sends it once
-    skeleton = _STATE_DICT + pickle.dumps(list(value), protocol=5)
-    return SplitValue(skeleton, tensors, tensors, [], describe_all(tensors, tensors))
+    return SplitValue(
+        _state_dict_skeleton(list(value)),
+        tensors,
+        tensors,
+        [],
+        describe_all(tensors, tensors, True),
+    )
+
+
+_last_skeleton: tuple[list[str], bytes] = ([], b"")
+
+
+def _state_dict_skeleton(keys: list[str]) -> bytes:
+    """The marker and the keys, compressed (5,000 keys: 212 KB pickled, 16 KB
+    compressed, so the Payload stays under Ray's inline limit); kept for the
+    keys sent last, as a trainer sends the same ones every step."""
+    global _last_skeleton
+    last_keys, skeleton = _last_skeleton
+    if keys != last_keys:
+        skeleton = _STATE_DICT + zlib.compress(pickle.dumps(keys, protocol=5), 1)
+        _last_skeleton = (keys, skeleton)
+    return skeleton
 
 
 def split(value: Any, only: type | None = None) -> SplitValue:
@@ -272,11 +304,26 @@ def split(value: Any, only: type | None = None) -> SplitValue:
     return SplitValue(buf.getvalue(), pickler.originals, pickler.tensors, pickler.handles, metas)
 
 
-def state_dict_keys(skeleton: bytes) -> list[str] | None:
+def state_dict_keys(skeleton: bytes) -> tuple[str, ...] | None:
     """The keys of a value ``split`` took as a state dict, else None."""
     if not skeleton.startswith(_STATE_DICT):
         return None
-    return pickle.loads(skeleton[len(_STATE_DICT) :])
+    return _state_dict_layout(skeleton)[0]
+
+
+def state_dict_index(skeleton: bytes) -> dict[str, int] | None:
+    """Each key's position in a value ``split`` took as a state dict, else None."""
+    if not skeleton.startswith(_STATE_DICT):
+        return None
+    return _state_dict_layout(skeleton)[1]
+
+
+@functools.lru_cache(maxsize=_LAYOUTS_KEPT)
+def _state_dict_layout(skeleton: bytes) -> tuple[tuple[str, ...], dict[str, int]]:
+    # Kept by content: weight sync sends the same keys every step, and unpickling
+    # 5,000 of them costs more than hashing their bytes. Callers never mutate them.
+    keys = tuple(pickle.loads(zlib.decompress(skeleton[len(_STATE_DICT) :])))
+    return keys, dict(zip(keys, range(len(keys)), strict=True))
 
 
 def join(skeleton: bytes, tensors: list[Any], handles: list[Any]) -> Any:

@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from raydirect import _groups, _process, _ray, _runtime, _server, _wire
+from raydirect._collector import collector_paused
 from raydirect._lease import leases
 from raydirect._payload import PREPARING, InlineValue, Payload, ProducerInfo, SplitValue, split
 from raydirect._ranges import ByteViews
@@ -182,6 +183,11 @@ def export(value: Any, transport: str, label: str | None = None, inline: bool = 
     """Keep ``value``'s tensors in this process and return the Payload standing
     for it; a value without tensors is returned unchanged, a small one under
     ``auto`` travels inline (unless ``inline`` is False)."""
+    with collector_paused():  # thousands of tensors described: no collection midway
+        return _export(value, transport, label, inline)
+
+
+def _export(value: Any, transport: str, label: str | None, inline: bool) -> Any:
     plugin = _plugin(transport)
     label = label or _ray.current_task_label()
     parts = split(value, only=plugin.data_type if plugin is not None else None)
@@ -250,9 +256,11 @@ def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
 def _byte_views(tensors: list[torch.Tensor], metas: TensorMetas) -> ByteViews:
     """The bytes each tensor sends; a non-contiguous one is packed once, now.
     Flat views are made only for transports that use them: ``cma`` needs addresses."""
-    sources = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    count = len(sources)
-    addresses = np.fromiter((t.data_ptr() for t in sources), dtype=np.int64, count=count)
+    if all([t.is_contiguous() for t in tensors]):
+        sources = tensors
+    else:
+        sources = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    addresses = np.array([t.data_ptr() for t in sources], dtype=np.int64)
     lengths = np.asarray(metas.nbytes, dtype=np.int64)
     return ByteViews(addresses, lengths, lambda i: flat_bytes(sources[i]))
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import zlib
 from typing import Any
 
 import numpy as np
@@ -185,6 +186,22 @@ def _raise_for(got: int, who: str) -> None:
     raise TransferError(f"reading {who}'s memory failed: {os.strerror(err)}")
 
 
+def _pack_addresses(addresses: np.ndarray) -> bytes:
+    """Tensor addresses as the Payload carries them: each the step from the one
+    before, compressed. Tensors allocated one after another lie close, so 5,000
+    of them take 4 KB instead of 40 (the Payload stays under Ray's inline limit)."""
+    steps = np.diff(addresses.astype(np.int64), prepend=np.int64(0))
+    return zlib.compress(steps.astype("<i8").tobytes(), 1)
+
+
+def _addresses(packed: bytes) -> np.ndarray:
+    try:
+        steps = np.frombuffer(zlib.decompress(packed), dtype="<i8")
+    except (zlib.error, ValueError, TypeError) as exc:
+        raise TransferError(f"corrupt cma metadata: {exc}") from exc
+    return np.cumsum(steps, dtype=np.int64)
+
+
 class CmaTransport(ByteTransport):
     name = "cma"
     one_sided = True
@@ -197,21 +214,19 @@ class CmaTransport(ByteTransport):
         self, obj_id: bytes, tensors: list[torch.Tensor]
     ) -> TensorTransportMetadata:
         # The producer's tensors come as ByteViews: their addresses, no view made.
-        ptrs = (
-            tensors.addresses.tolist()
+        addresses = (
+            tensors.addresses
             if isinstance(tensors, ByteViews)
-            else [t.data_ptr() for t in tensors]
+            else np.array([t.data_ptr() for t in tensors], dtype=np.int64)
         )
-        return TensorTransportMetadata(tensor_meta=[], extra={"ptrs": ptrs})
+        return TensorTransportMetadata(tensor_meta=[], extra={"ptrs": _pack_addresses(addresses)})
 
     def receive(
         self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
     ) -> None:
         # A pid names the producer only while it runs: a reused pid is another process.
         link.check_alive()
-        bases = tuple(extra["ptrs"])
+        packed = extra["ptrs"]
         # A weight subscriber reads the same ranges of the same slots every step.
-        spans = ranges.memo(
-            ("cma", bases), lambda: _Spans(*ranges.runs(np.asarray(bases, dtype=np.int64)))
-        )
+        spans = ranges.memo(("cma", packed), lambda: _Spans(*ranges.runs(_addresses(packed))))
         read_remote(link.producer.pid, spans, link)
