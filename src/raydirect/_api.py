@@ -173,19 +173,7 @@ def get(
         described = [describe_targets(target) for target in intos]
     values = get_deferred(ref_list, timeout)
     pending = [i for i, v in enumerate(values) if isinstance(v, PendingFetch)]
-    for i, target in enumerate(intos):
-        if target is not None and i not in pending:
-            raise ValueError(
-                f"into= was given for ref {i}, whose value holds no raydirect tensors; "
-                "use into= only for objects made by rd.method or rd.put"
-            )
-    # Checked before any transfer starts, so a bad target moves nothing.
-    with collector_paused():
-        targets = {
-            i: match(values[i].payload, intos[i], described[i])
-            for i in pending
-            if intos[i] is not None
-        }
+    targets = _checked_targets(values, pending, intos, described)
     if dev is not None:
         for i in pending:
             check_device_fits(values[i].payload.metas, dev)
@@ -195,6 +183,25 @@ def get(
     for i, value in enumerate(values):
         values[i] = fetched[i] if i in fetched else _moved(value, dev)
     return values[0] if single else values
+
+
+def _checked_targets(
+    values: list[Any], pending: list[int], intos: list[Any], described: list[Any]
+) -> dict[int, dict[int, Any]]:
+    """Each ref's targets matched against its value, before any transfer starts,
+    so a bad target moves nothing."""
+    for i, target in enumerate(intos):
+        if target is not None and i not in pending:
+            raise ValueError(
+                f"into= was given for ref {i}, whose value holds no raydirect tensors; "
+                "use into= only for objects made by rd.method or rd.put"
+            )
+    with collector_paused():
+        return {
+            i: match(values[i].payload, intos[i], described[i])
+            for i in pending
+            if intos[i] is not None
+        }
 
 
 def _moved(value: Any, device: torch.device | None) -> Any:
