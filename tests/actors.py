@@ -535,11 +535,19 @@ class Trainer:
     def drop_handles(self) -> None:
         self.handles.clear()
 
-    def step(self) -> None:
-        """An optimizer step: every float weight changes in place."""
+    def step(self, wait_free: bool = False) -> None:
+        """An optimizer step: every float weight changes in place (once no
+        raydirect object holds it, with ``wait_free``)."""
         for tensor in self.weights.values():
+            if wait_free:
+                rd.wait_tensor_freed(tensor, timeout=60)
             if tensor.is_floating_point():
                 tensor.add_(1.0)
+
+    @rd.method
+    def weights_dict(self) -> dict[str, torch.Tensor]:
+        """The plain path: the live weights as a dict, no publisher."""
+        return dict(self.weights)
 
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.weights.items()}
@@ -577,6 +585,13 @@ class Inference:
 
     def load_nested(self, handles: list[Any]) -> int:
         return self.sub.load(handles[0], timeout=60)
+
+    def get_into(self, box: list[Any], names: list[str] | None = None) -> bool:
+        """The plain path: rd.get of a dict into these weights (or those ``names``,
+        in that order); True when the value returned holds the targets themselves."""
+        into = self.weights if names is None else {n: self.weights[n] for n in names}
+        got = rd.get(box[0], into=into, timeout=60)
+        return all(got[name] is target for name, target in into.items())
 
     def version(self) -> int | None:
         return self.sub.version

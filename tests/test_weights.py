@@ -28,10 +28,13 @@ def _assert_state(got: dict, want: dict, shard: TensorParallel | None = None) ->
 
 
 def _stepped(count: int, steps: int) -> dict[str, torch.Tensor]:
+    """The weights after ``steps`` of ``Trainer.step`` (one add of 1.0 each, as
+    float32 rounds them)."""
     weights = make_weights(count)
     for tensor in weights.values():
         if tensor.is_floating_point():
-            tensor.add_(float(steps))
+            for _ in range(steps):
+                tensor.add_(1.0)
     return weights
 
 
@@ -219,6 +222,23 @@ def test_five_thousand_small_tensors_arrive_exactly(ray_session):
     r = Inference.remote(5000)
     ray.get(r.load.remote(t.publish.remote(1)))
     _assert_state(ray.get(r.state.remote()), make_weights(5000))
+    ray.kill(t)
+    ray.kill(r)
+
+
+def test_five_thousand_tensors_through_the_primitives_step_after_step(ray_session):
+    """A plain @rd.method dict read with rd.get(into=), as weight sync without the
+    weight API: the second step reuses the layouts the first one kept."""
+    t, r = Trainer.remote(5000), Inference.remote(5000)
+    for steps in range(2):
+        assert ray.get(r.get_into.remote([t.weights_dict.remote()])) is True
+        _assert_state(ray.get(r.state.remote()), _stepped(5000, steps))
+        ray.get(t.step.remote(wait_free=True))
+    names = list(make_weights(5000))[::-7]  # some of them, in another order
+    assert ray.get(r.get_into.remote([t.weights_dict.remote()], names)) is True
+    want, stepped = _stepped(5000, 1), _stepped(5000, 2)
+    want.update({name: stepped[name] for name in names})
+    _assert_state(ray.get(r.state.remote()), want)
     ray.kill(t)
     ray.kill(r)
 

@@ -94,9 +94,10 @@ def describe_targets(into: Any) -> DescribedTargets | None:
     if not all([type(k) is str for k in into]) or not all([t.is_contiguous() for t in tensors]):
         return None
     addresses = [t.data_ptr() for t in tensors]
-    nonempty = [a for a, t in zip(addresses, tensors, strict=True) if t.nbytes]
-    if len(set(nonempty)) != len(nonempty):
-        return None  # two targets share memory: match names them
+    if len(set(addresses)) != len(addresses):  # empty tensors may share an address
+        nonempty = [a for a, t in zip(addresses, tensors, strict=True) if t.nbytes]
+        if len(set(nonempty)) != len(nonempty):
+            return None  # two targets share memory: match names them
     return DescribedTargets(
         tuple(into),
         tensors,
