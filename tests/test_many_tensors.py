@@ -14,7 +14,7 @@ import pytest
 import torch
 from ray import cloudpickle
 
-from raydirect import _collector, _payload
+from raydirect import _collector, _compression, _payload
 from raydirect._into import MatchedTargets, describe_targets, match
 from raydirect._payload import Payload, ProducerInfo
 from raydirect._producer import _byte_views
@@ -101,6 +101,17 @@ def test_cma_addresses_round_trip_in_any_order():
     assert len(cma._pack_addresses(np.arange(5000, dtype=np.int64) * 4160)) < 2000
     with pytest.raises(TransferError, match="corrupt cma metadata"):
         cma._addresses(b"not zlib")
+
+
+def test_metadata_blobs_are_compressed_only_when_large():
+    small, large = b"x" * 100, b"model.layers.0.mlp.up_proj.weight" * 1000
+    assert _compression.pack(small) == b"\x00" + small  # a zlib stream costs more
+    assert len(_compression.pack(large)) < len(large) // 20
+    for raw in (b"", small, large):
+        assert _compression.unpack(_compression.pack(raw)) == raw
+    for bad in (b"", b"\x07abc", b"\x01not zlib"):
+        with pytest.raises(ValueError):
+            _compression.unpack(bad)
 
 
 def test_a_described_state_dict_matches_by_key_in_any_order():

@@ -22,7 +22,6 @@ import itertools
 import pickle
 import threading
 import weakref
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +31,7 @@ import torch
 from ray import cloudpickle
 from ray.actor import ActorHandle
 
+from raydirect import _compression as compression
 from raydirect import _process
 from raydirect._tensors import TensorMetas, as_tensor, describe_all
 
@@ -287,7 +287,7 @@ def _state_dict_skeleton(keys: list[str]) -> bytes:
     global _last_skeleton
     last_keys, skeleton = _last_skeleton
     if keys != last_keys:
-        skeleton = _STATE_DICT + zlib.compress(pickle.dumps(keys, protocol=5), 1)
+        skeleton = _STATE_DICT + compression.pack(pickle.dumps(keys, protocol=5))
         _last_skeleton = (keys, skeleton)
     return skeleton
 
@@ -322,7 +322,7 @@ def state_dict_index(skeleton: bytes) -> dict[str, int] | None:
 def _state_dict_layout(skeleton: bytes) -> tuple[tuple[str, ...], dict[str, int]]:
     # Kept by content: weight sync sends the same keys every step, and unpickling
     # 5,000 of them costs more than hashing their bytes. Callers never mutate them.
-    keys = tuple(pickle.loads(zlib.decompress(skeleton[len(_STATE_DICT) :])))
+    keys = tuple(pickle.loads(compression.unpack(skeleton[len(_STATE_DICT) :])))
     return keys, dict(zip(keys, range(len(keys)), strict=True))
 
 

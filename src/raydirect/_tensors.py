@@ -21,12 +21,13 @@ import os
 import pickle
 import sys
 import threading
-import zlib
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+
+from raydirect import _compression as compression
 
 # Arena slots start on cache-line boundaries so every dtype view is aligned.
 _ALIGN = 64
@@ -175,11 +176,11 @@ class TensorMetas(Sequence[TensorMeta]):
         dims = list(itertools.chain.from_iterable(self.shapes))
         ranks = list(map(len, self.shapes))
         columns = (dims, ranks, self.dtypes, self.nbytes, self.devices, self.rest)
-        return zlib.compress(pickle.dumps(columns, protocol=5), 1)
+        return compression.pack(pickle.dumps(columns, protocol=5))
 
     @classmethod
     def unpack(cls, blob: bytes) -> TensorMetas:
-        dims, ranks, dtypes, nbytes, devices, rest = pickle.loads(zlib.decompress(blob))
+        dims, ranks, dtypes, nbytes, devices, rest = pickle.loads(compression.unpack(blob))
         flat = iter(dims)
         shapes = [tuple(itertools.islice(flat, rank)) for rank in ranks]
         return cls(shapes, dtypes, nbytes, devices, rest)

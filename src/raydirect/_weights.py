@@ -32,7 +32,6 @@ import pickle
 import secrets
 import threading
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -41,6 +40,7 @@ from typing import Any
 import ray
 import torch
 
+from raydirect import _compression as compression
 from raydirect import _ray
 from raydirect._collector import collector_paused
 from raydirect._producer import export
@@ -105,7 +105,7 @@ class WeightsLayout:
         blob = self.__dict__.get("_blob")
         if blob is None:
             fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-            blob = zlib.compress(pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL), 1)
+            blob = compression.pack(pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL))
             object.__setattr__(self, "_blob", blob)
         return (_layout_from, (self.token, blob))
 
@@ -123,7 +123,7 @@ def _layout_from(token: bytes, blob: bytes) -> WeightsLayout:
     with _layouts_lock:
         layout = _layouts.get(token)
     if layout is None:
-        layout = WeightsLayout(*pickle.loads(zlib.decompress(blob)))
+        layout = WeightsLayout(*pickle.loads(compression.unpack(blob)))
         with _layouts_lock:
             _layouts[token] = layout
             if len(_layouts) > _LAYOUTS_KEPT:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import zlib
 from typing import Any
 
 import numpy as np
 import torch
 
+from raydirect import _compression as compression
 from raydirect._ranges import ByteViews, Ranges
 from raydirect.errors import ProducerLostError, TransferError, TransportUnavailableError
 from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
@@ -190,14 +190,15 @@ def _pack_addresses(addresses: np.ndarray) -> bytes:
     """Tensor addresses as the Payload carries them: each the step from the one
     before, compressed. Tensors allocated one after another lie close, so 5,000
     of them take 4 KB instead of 40 (the Payload stays under Ray's inline limit)."""
-    steps = np.diff(addresses.astype(np.int64), prepend=np.int64(0))
-    return zlib.compress(steps.astype("<i8").tobytes(), 1)
+    steps = addresses.astype("<i8")  # a copy: np.diff costs 30 µs on a few
+    steps[1:] -= addresses[:-1]
+    return compression.pack(steps.tobytes())
 
 
 def _addresses(packed: bytes) -> np.ndarray:
     try:
-        steps = np.frombuffer(zlib.decompress(packed), dtype="<i8")
-    except (zlib.error, ValueError, TypeError) as exc:
+        steps = np.frombuffer(compression.unpack(packed), dtype="<i8")
+    except (ValueError, TypeError) as exc:
         raise TransferError(f"corrupt cma metadata: {exc}") from exc
     return np.cumsum(steps, dtype=np.int64)
 
