@@ -7,6 +7,7 @@ test_values.py and test_weights.py."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 
 import numpy as np
@@ -18,8 +19,10 @@ from raydirect import _collector, _compression, _payload
 from raydirect._into import MatchedTargets, describe_targets, match
 from raydirect._payload import Payload, ProducerInfo
 from raydirect._producer import _byte_views
+from raydirect._ranges import ByteViews, Ranges
 from raydirect.errors import TransferError
 from raydirect.transports import cma
+from raydirect.transports.base import PeerMetadata
 
 # Ray returns a value inline, in the task's reply, up to 100 KiB
 # (max_direct_call_object_size); a larger one goes through its object store.
@@ -101,6 +104,56 @@ def test_cma_addresses_round_trip_in_any_order():
     assert len(cma._pack_addresses(np.arange(5000, dtype=np.int64) * 4160)) < 2000
     with pytest.raises(TransferError, match="corrupt cma metadata"):
         cma._addresses(b"not zlib")
+
+
+def _own_link() -> PeerMetadata:
+    me = ProducerInfo("tcp://127.0.0.1:1", "n", os.getpid(), 1, b"t" * 16, "itself")
+    return PeerMetadata(producer=me, capability=b"", same_node=True)
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+def test_a_cross_memory_read_shared_among_threads_lands_every_byte(monkeypatch, threads):
+    """process_vm_readv from this very process: small tensors on 4 KiB pages and a
+    large one, read whole by 1, 2 and 3 threads, each share its own calls."""
+    monkeypatch.setenv(cma.THREADS_ENV, threads)
+    g = torch.Generator().manual_seed(5)
+    sources = [torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g) for n in (4097,) * 900]
+    sources.append(torch.randint(0, 255, (40 << 20,), dtype=torch.uint8, generator=g))
+    dests = [torch.zeros_like(t) for t in sources]
+    lengths = np.array([t.numel() for t in sources], dtype=np.int64)
+    ranges = Ranges.of_whole(
+        ByteViews(np.array([t.data_ptr() for t in dests]), lengths, dests.__getitem__)
+    )
+    spans = cma._Spans(*ranges.runs(np.array([t.data_ptr() for t in sources])))
+    assert cma.threads_for(int(lengths.sum())) == int(threads)
+    cma.read_remote(os.getpid(), spans, _own_link())
+    assert all(torch.equal(d, s) for d, s in zip(dests, sources, strict=True))
+
+
+def test_threads_by_size_and_a_bad_setting_named(monkeypatch):
+    monkeypatch.delenv(cma.THREADS_ENV, raising=False)
+    assert cma.threads_for(1 << 20) == 1  # a thread hand-off costs more than it saves
+    assert 1 <= cma.threads_for(1 << 30) <= cma._MAX_AUTO_THREADS
+    monkeypatch.setenv(cma.THREADS_ENV, "0")
+    assert cma.threads_for(1 << 30) == 1
+    monkeypatch.setenv(cma.THREADS_ENV, "lots")
+    with pytest.raises(ValueError, match="RAYDIRECT_CMA_THREADS='lots'"):
+        cma.threads_for(1 << 30)
+
+
+def test_a_failing_share_fails_the_read_after_every_share_ends(monkeypatch):
+    monkeypatch.setenv(cma.THREADS_ENV, "2")
+    dests = [torch.zeros(24 << 20, dtype=torch.uint8) for _ in range(2)]
+    good = torch.ones(24 << 20, dtype=torch.uint8)
+    lengths = np.array([24 << 20, 24 << 20], dtype=np.int64)
+    ranges = Ranges.of_whole(
+        ByteViews(np.array([d.data_ptr() for d in dests]), lengths, dests.__getitem__)
+    )
+    unmapped = 16 << 40  # no mapping there: the kernel answers EFAULT
+    spans = cma._Spans(*ranges.runs(np.array([good.data_ptr(), unmapped], dtype=np.int64)))
+    with pytest.raises(TransferError, match="Bad address"):
+        cma.read_remote(os.getpid(), spans, _own_link())
+    assert torch.equal(dests[0], good)  # the good share was read whole
 
 
 def test_metadata_blobs_are_compressed_only_when_large():

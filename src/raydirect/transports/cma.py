@@ -11,9 +11,12 @@ refuses, this raises ``TransportUnavailableError`` and ``auto`` uses ``shm``.
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import errno
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -25,11 +28,17 @@ from raydirect.errors import ProducerLostError, TransferError, TransportUnavaila
 from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
 _IOV_MAX = 1024
-_CALL_BYTES = 64 << 20  # bytes per system call, so a deadline is noticed
+_CALL_BYTES = 16 << 20  # bytes per system call: a deadline is noticed, threads share evenly
+_BYTES_PER_THREAD = 32 << 20
+_MAX_AUTO_THREADS = 4
+_MAX_THREADS = 16
+THREADS_ENV = "RAYDIRECT_CMA_THREADS"
 _JOIN_GAP = 4096  # runs at most this far apart are read as one span (see _Spans)
 _JOIN_RUN = 64 << 10  # runs this long are read on their own: their vector costs little
 _JOIN_MAX = 512  # runs per span, so that a span's local vectors fit one call
 _scratch = np.empty(_JOIN_GAP, dtype=np.uint8)  # where the gaps go; never read
+_workers: ThreadPoolExecutor | None = None
+_workers_lock = threading.Lock()
 
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -126,10 +135,68 @@ class _Spans:
         self.byte_ends = np.cumsum(span)
 
 
+def threads_for(nbytes: int) -> int:
+    """Threads for one read: ``RAYDIRECT_CMA_THREADS`` when set, else one per
+    ``_BYTES_PER_THREAD``, at most one per core and ``_MAX_AUTO_THREADS``. The
+    kernel pins every 4 KiB page of a cross-memory read on the reader's core,
+    which bounds a read of memory without huge pages (a model's many small
+    tensors) by one core; a second thread takes the second core. Huge-page
+    memory reads at memory speed from one thread: a second one changes nothing."""
+    raw = os.environ.get(THREADS_ENV, "").strip()
+    if raw:
+        try:
+            configured = int(raw)
+        except ValueError:
+            configured = -1
+        if not 0 <= configured <= _MAX_THREADS:
+            raise ValueError(
+                f"{THREADS_ENV}={raw!r}: expected a whole number from 0 to {_MAX_THREADS} "
+                "(0 or 1: one thread), or unset it to choose by size"
+            )
+        return max(1, configured)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, min(nbytes // _BYTES_PER_THREAD, cores or 1, _MAX_AUTO_THREADS))
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _workers
+    with _workers_lock:  # made once, whatever the number of threads that race here
+        if _workers is None:
+            _workers = ThreadPoolExecutor(_MAX_THREADS, thread_name_prefix="raydirect-cma")
+        return _workers
+
+
 def read_remote(pid: int, spans: _Spans, link: PeerMetadata) -> None:
-    """Copy every run of ``spans`` from ``pid``."""
+    """Copy every run of ``spans`` from ``pid``: its system calls shared among
+    ``threads_for`` threads (this one takes the first share), each share a run
+    of consecutive calls of about equal bytes."""
+    calls = list(_calls(spans.local_ends, spans.byte_ends, len(spans.first)))
+    total = int(spans.byte_ends[-1]) if len(spans.byte_ends) else 0
+    threads = min(threads_for(total), len(calls))
+    if threads <= 1:
+        _read_calls(pid, spans, calls, link)
+        return
+    ends = [int(spans.byte_ends[last - 1]) for _, last in calls]
+    cuts = [0, *(bisect.bisect_left(ends, total * k // threads) + 1 for k in range(1, threads))]
+    shares = [calls[a:b] for a, b in zip(cuts, [*cuts[1:], len(calls)], strict=True) if a < b]
+    futures = [_pool().submit(_read_calls, pid, spans, share, link) for share in shares[1:]]
+    errors: list[BaseException] = []
+    try:
+        _read_calls(pid, spans, shares[0], link)
+    except BaseException as exc:
+        errors.append(exc)
+    for future in futures:  # every share finished before anyone frees the destination
+        try:
+            future.result()
+        except BaseException as exc:
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+def _read_calls(pid: int, spans: _Spans, calls: list[tuple[int, int]], link: PeerMetadata) -> None:
     src, dst, length = spans.runs
-    for first, last in _calls(spans.local_ends, spans.byte_ends, len(spans.first)):
+    for first, last in calls:
         link.check_deadline()
         local_first = int(spans.local_ends[first - 1]) if first else 0
         expected = int(spans.remote[first:last, 1].sum())
