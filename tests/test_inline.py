@@ -25,8 +25,15 @@ def _held(actor) -> int:
     return ray.get(actor.stats.remote()).num_objects
 
 
+def _none_held(actor) -> None:
+    """Objects of earlier tests are freed once Ray says their refs are gone,
+    asynchronously: start from none."""
+    wait_for(lambda: _held(actor) == 0, what="objects of earlier tests to be freed")
+
+
 def test_a_small_value_goes_inline_and_nothing_is_held(inline_pair):
     p, c = inline_pair
+    _none_held(p)
     ref = p.value.remote("dtypes")  # about 40 KiB of tensors
     assert ray.get(c.check.remote("dtypes", ref)) is None
     assert actors.check_value("dtypes", ray.get(ref)) is None
@@ -36,6 +43,7 @@ def test_a_small_value_goes_inline_and_nothing_is_held(inline_pair):
 
 def test_a_value_over_the_limit_stays_in_the_producer(inline_pair):
     p, c = inline_pair
+    _none_held(p)
     ref = p.big.remote(LIMIT + 1, 4)
     assert ray.get(c.summarize.remote(ref))[:2] == (LIMIT + 1, 4)
     assert _held(p) == 1
@@ -48,10 +56,13 @@ def test_a_named_transport_is_never_inlined(inline_pair):
     ref = p.value_tcp.remote("dtypes")
     assert ray.get(c.check.remote("dtypes", ref)) is None
     assert ray.get(c.stats.remote()).objects_received.get("tcp") == 1
+    del ref
+    _none_held(p)
 
 
 def test_an_inlined_ref_passed_back_to_its_producer_is_the_same_tensor(inline_pair):
     p, _ = inline_pair
+    _none_held(p)
     ref = p.keep.remote("inline", 1000)  # 4 KB: travels inline
     assert _held(p) == 0  # inlined, not held as a direct object
     assert ray.get(p.is_kept.remote("inline", ref)) is True
