@@ -86,25 +86,45 @@ class DescribedTargets:
 def describe_targets(into: Any) -> DescribedTargets | None:
     """``into`` described for ``match``, or None where it is not such a state dict
     (``match`` then walks it and names what does not fit)."""
-    if not isinstance(into, dict):
+    if not isinstance(into, dict) or not all([type(k) is str for k in into]):
         return None
-    tensors = list(into.values())
+    return _described(tuple(into), list(into.values()))
+
+
+def _described(keys: tuple[str, ...], tensors: list[Any]) -> DescribedTargets | None:
+    """``tensors`` as columns (C comprehensions, no call per target), or None
+    unless they are contiguous plain torch tensors in distinct memory."""
     if not all([type(t) is torch.Tensor for t in tensors]):
         return None
-    if not all([type(k) is str for k in into]) or not all([t.is_contiguous() for t in tensors]):
+    if not all([t.is_contiguous() for t in tensors]):
         return None
     addresses = [t.data_ptr() for t in tensors]
     if len(set(addresses)) != len(addresses):  # empty tensors may share an address
         nonempty = [a for a, t in zip(addresses, tensors, strict=True) if t.nbytes]
         if len(set(nonempty)) != len(nonempty):
-            return None  # two targets share memory: match names them
+            return None  # two targets share memory: the checks name them
     return DescribedTargets(
-        tuple(into),
+        keys,
         tensors,
         [t.shape for t in tensors],
         [DTYPE_NAMES[t.dtype] for t in tensors],
         ["cpu" if t.is_cpu else t.device.type for t in tensors],  # .device costs more
         addresses,
+    )
+
+
+def _fits(into: DescribedTargets, metas: TensorMetas, order: Sequence[int]) -> bool:
+    """Target ``k`` has tensor ``order[k]``'s shape, dtype and device."""
+    if isinstance(order, range) and len(order) == len(metas):  # all, in order
+        return (
+            into.shapes == metas.shapes
+            and into.dtypes == metas.dtypes
+            and into.devices == metas.devices
+        )
+    return (
+        into.shapes == [metas.shapes[i] for i in order]
+        and into.dtypes == [metas.dtypes[i] for i in order]
+        and into.devices == [metas.devices[i] for i in order]
     )
 
 
@@ -114,24 +134,14 @@ def _match_described(payload: Payload, into: DescribedTargets) -> MatchedTargets
     keys, index = state_dict_keys(payload.skeleton), state_dict_index(payload.skeleton)
     if keys is None or index is None:
         return None
-    metas = payload.metas
+    order: Sequence[int]
     if into.keys == keys:  # the same dict as the producer's, in its order
-        order: Sequence[int] = range(len(keys))
-        fits = (
-            into.shapes == metas.shapes
-            and into.dtypes == metas.dtypes
-            and into.devices == metas.devices
-        )
-    else:
-        if not into.keys or not all([k in index for k in into.keys]):
-            return None
+        order = range(len(keys))
+    elif into.keys and all([k in index for k in into.keys]):
         order = [index[k] for k in into.keys]
-        fits = (
-            into.shapes == [metas.shapes[i] for i in order]
-            and into.dtypes == [metas.dtypes[i] for i in order]
-            and into.devices == [metas.devices[i] for i in order]
-        )
-    if not fits:
+    else:
+        return None
+    if not _fits(into, payload.metas, order):
         return None
     found = MatchedTargets(zip(order, into.tensors, strict=True))
     found.addresses = np.asarray(into.addresses, dtype=np.int64)
@@ -215,25 +225,11 @@ def _check_all(payload: Payload, found: dict[int, Any]) -> None:
 
 
 def _all_fit(metas: TensorMetas, found: dict[int, Any]) -> bool:
-    """The common case checked in bulk (C comprehensions, no call per target):
-    contiguous plain torch tensors of the right shape, dtype and device, all in
-    distinct memory. False sends the caller through the checks one by one, which
-    name the first target that does not fit."""
-    targets = list(found.values())
-    if not all([type(t) is torch.Tensor for t in targets]):
-        return False
-    if not all([t.is_contiguous() for t in targets]):
-        return False
-    if [tuple(t.shape) for t in targets] != [metas.shapes[i] for i in found]:
-        return False
-    if [DTYPE_NAMES[t.dtype] for t in targets] != [metas.dtypes[i] for i in found]:
-        return False
-    devices = ["cpu" if t.is_cpu else t.device.type for t in targets]
-    if devices != [metas.devices[i] for i in found]:
-        return False
-    sizes = metas.nbytes
-    addresses = [t.data_ptr() for t, i in zip(targets, found, strict=True) if sizes[i]]
-    return len(set(addresses)) == len(addresses)
+    """The common case checked in bulk: contiguous plain torch tensors of the
+    right shape, dtype and device, all in distinct memory. False sends the caller
+    through the checks one by one, which name the first target that does not fit."""
+    described = _described((), list(found.values()))
+    return described is not None and _fits(described, metas, list(found))
 
 
 def _walk(shape: Any, into: Any, path: str, found: dict[int, Any]) -> None:

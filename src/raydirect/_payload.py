@@ -273,7 +273,7 @@ def _split_state_dict(value: Any) -> SplitValue | None:
         tensors,
         tensors,
         [],
-        describe_all(tensors, tensors, True),
+        describe_all(tensors, tensors, plain=True),
     )
 
 
