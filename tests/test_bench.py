@@ -18,7 +18,7 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
     tiny = [
         "--quick",
         "--workloads", ",".join(map(str, sorted(WORKLOADS))),
-        "--groups", "raydirect,object-store",
+        "--groups", "raydirect,object-store,floors",
         "--sizes", "4KiB",
         "--state-size", "1MiB",
         "--consumers", "1,2",
@@ -50,6 +50,8 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
     assert (1, "raydirect auto") in systems and (1, "ray object store") in systems
     assert (3, "ray actor call") in systems and (5, "raydirect auto") in systems
     assert (6, "raydirect WeightPublisher, 4-way sharded") in systems
+    # the floor of a sharded load: one copy of rank 0's bytes, in one process
+    assert (6, "floor: in-process copy, 4-way sharded") in systems
     # progress lines name workload, system and point
     assert "w2 raydirect auto @ 2 consumers" in done.stderr
     # one markdown table per workload on stdout

@@ -36,7 +36,7 @@ from rdbench.common import (
     state_dict_layout,
 )
 from rdbench.fleet import Context, allocate, rdt_ready
-from rdbench.shards import shard_bytes
+from rdbench.shards import shard_bytes, sharded_shape
 
 LAYERS = {200: 22, 5000: 555}  # tensors -> decoder layers (9 tensors each, plus 2)
 ONE_TENSOR = "model.embed_tokens.weight"  # the same bytes as one tensor: the baseline
@@ -82,7 +82,7 @@ def weight_api(ctx: Context) -> list[Row]:
             if cfg.wants(GROUP_RDT):
                 rows += _family(ctx, _name(RDT_GLOO, world), tensors, layout, world, rdt=True)
         if cfg.wants(GROUP_FLOORS):
-            rows.append(_floor(ctx, tensors, layout))
+            rows += [_floor(ctx, tensors, layout, world) for world in (1, WORLD)]
     ctx.release()
     return rows
 
@@ -190,12 +190,15 @@ def _step(
     return step
 
 
-def _floor(ctx: Context, tensors: int, layout: Layout) -> Row:
+def _floor(ctx: Context, tensors: int, layout: Layout, world: int) -> Row:
     """One in-process copy of the same tensors into preallocated ones (one thread,
-    as in a Ray worker)."""
-    row = Row(6, FLOOR_COPY, _param(tensors, 1), tensors * 10 + 1, layout_bytes(layout))
-    source = {n: torch.empty(s, dtype=DTYPE) for n, s in layout.items()}
-    target = {n: torch.zeros(s, dtype=DTYPE) for n, s in layout.items()}
+    as in a Ray worker); sharded: of rank 0's slice of each tensor, from a
+    contiguous block (as ``shard_blocks`` lays it out) into a tensor of its own."""
+    system = FLOOR_COPY if world == 1 else f"{FLOOR_COPY}, {world}-way sharded"
+    row = Row(6, system, _param(tensors, 1), tensors * 10 + 1, _delivered(layout, 1, world))
+    shapes = {n: sharded_shape(n, s, 0, world) for n, s in layout.items()}
+    source = {n: torch.empty(s, dtype=DTYPE) for n, s in shapes.items()}
+    target = {n: torch.zeros(s, dtype=DTYPE) for n, s in shapes.items()}
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
 
