@@ -92,6 +92,28 @@ def test_layouts_are_kept_by_content_and_shared():
     assert _payload.state_dict_index(payload.skeleton) == {k: i for i, k in enumerate(keys)}
 
 
+def test_metas_packed_again_only_when_they_differ_from_the_last():
+    """A trainer's state dict exported step after step packs its metas once; a
+    changed shape, dtype or grad flag packs anew, and what unpacks is always the
+    metas of the tensors sent."""
+    state = _model_state(3)
+    first = _payload.split(state).metas
+    blob = first.pack()
+    again = _payload.split(dict(state)).metas  # new metas, equal columns
+    assert again is not first and again.pack() is blob
+    changes = {
+        "shape": {**state, "model.norm.weight": torch.zeros(65)},
+        "dtype": {**state, "model.norm.weight": torch.zeros(64, dtype=torch.float16)},
+        "grad": {**state, "model.norm.weight": torch.zeros(64, requires_grad=True)},
+    }
+    for what, changed in changes.items():
+        metas = _payload.split(changed).metas
+        packed = metas.pack()
+        assert packed != blob, what
+        assert list(type(metas).unpack(packed)) == list(metas), what
+    assert list(type(first).unpack(first.pack())) == list(first)
+
+
 def test_cma_addresses_round_trip_in_any_order():
     for addresses in (
         np.array([0x7F00_0000_1000, 0x7F00_0000_2040, 0x5500_0000_0000, 0x7FFF_FFFF_F000]),

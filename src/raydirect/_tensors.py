@@ -172,11 +172,22 @@ class TensorMetas(Sequence[TensorMeta]):
         """The columns as bytes: shapes flat (every dimension in one list, each
         rank in another: ints pickle in bulk, tuples one by one), compressed
         (a model repeats a few shapes: 5,000 tensors' metas are 93 KB raw, 1 KB
-        packed), so that the Payload stays under Ray's inline limit."""
+        packed), so that the Payload stays under Ray's inline limit. The metas
+        packed last are kept: a trainer sends the same ones every step, and
+        comparing 5,000 of them costs a twentieth of packing them."""
+        global _last_packed
+        last, blob = _last_packed
+        if last is not None and (last is self or last.columns() == self.columns()):
+            return blob
         dims = list(itertools.chain.from_iterable(self.shapes))
         ranks = list(map(len, self.shapes))
         columns = (dims, ranks, self.dtypes, self.nbytes, self.devices, self.rest)
-        return compression.pack(pickle.dumps(columns, protocol=5))
+        blob = compression.pack(pickle.dumps(columns, protocol=5))
+        _last_packed = (self, blob)
+        return blob
+
+    def columns(self) -> tuple[Any, ...]:
+        return (self.shapes, self.dtypes, self.nbytes, self.devices, self.rest)
 
     @classmethod
     def unpack(cls, blob: bytes) -> TensorMetas:
@@ -184,6 +195,9 @@ class TensorMetas(Sequence[TensorMeta]):
         flat = iter(dims)
         shapes = [tuple(itertools.islice(flat, rank)) for rank in ranks]
         return cls(shapes, dtypes, nbytes, devices, rest)
+
+
+_last_packed: tuple[TensorMetas | None, bytes] = (None, b"")
 
 
 def describe_all(
