@@ -59,3 +59,37 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
         assert f"## {w}. " in done.stdout
     if plot:  # matplotlib is optional (the `bench` extra)
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_weight_sync_targets_are_judged_beside_the_floor():
+    """Workload 6's summary: each target's ratio of median step times, the floor's
+    own ratio beside it, met as printed; a target whose rows did not run is left out."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from rdbench.common import Row
+    from rdbench.weights import FLOOR_COPY, WEIGHT_API, weight_targets
+
+    def row(system: str, tensors: int, consumers: int, ms: float) -> Row:
+        param = (
+            f"{tensors} tensor{'s' * (tensors > 1)}, {consumers} consumer{'s' * (consumers > 1)}"
+        )
+        return Row(6, system, param, 0, 1, times_s=[ms / 1e3] * 3)
+
+    whole, loads = f"{WEIGHT_API}, full", f"{WEIGHT_API}, full, loads only"
+    sharded = f"{WEIGHT_API}, 4-way sharded, shard_blocks, loads only"
+    rows = [
+        row(whole, 1, 1, 50.0),
+        row(whole, 5000, 1, 66.0),  # 1.32x: missed, as printed
+        row(loads, 1, 1, 20.0),
+        row(loads, 5000, 1, 26.0),  # 1.30x: met, as printed
+        row(FLOOR_COPY, 1, 1, 10.0),
+        row(FLOOR_COPY, 5000, 1, 12.2),
+        row(f"{FLOOR_COPY}, 4-way sharded", 5000, 1, 6.1),
+        row(sharded, 5000, 4, 9.0),
+        row(loads, 5000, 4, 30.0),  # 0.30x
+    ]
+    table = weight_targets(rows).splitlines()
+    assert "| weight API, whole step, 1 consumer | 1.32x | 1.22x | no |" in table[4]
+    assert "| weight API, loads, 1 consumer | 1.30x | 1.22x | yes |" in table[5]
+    assert table[6].endswith("| 5000 tensors, 4 consumers | 0.30x | 0.50x | yes |")
+    assert len(table) == 7  # nothing for the rows that did not run (RDT, primitives, 200)
+    assert weight_targets([]) == ""

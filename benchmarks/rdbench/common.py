@@ -297,7 +297,8 @@ class Row:
 @dataclass(frozen=True)
 class Workload:
     """One workload: its number and title, what its rows vary (``param_header``),
-    its unit, the systems its ratio columns divide by, and the function that runs it."""
+    its unit, the systems its ratio columns divide by, the function that runs it,
+    and optionally one that summarises its rows (markdown, after its table)."""
 
     number: int
     title: str
@@ -305,6 +306,7 @@ class Workload:
     unit: str
     baselines: tuple[str, ...]
     run: Callable[[Any], list[Row]]
+    summary: Callable[[Sequence[Row]], str] | None = None
 
 
 def run_row(

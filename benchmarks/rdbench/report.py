@@ -145,6 +145,9 @@ def render_report(
         if not mine:
             continue
         parts += ["", f"## {workload.number}. {workload.title}", "", render_table(workload, mine)]
+        summary = workload.summary(mine) if workload.summary is not None else ""
+        if summary:
+            parts += ["", summary]
     parts += [
         "",
         f"# {elapsed_s:.0f} s in all; GB/s = bytes / seconds / 1e9; median and min-max over "

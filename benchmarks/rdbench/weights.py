@@ -8,8 +8,9 @@ as 5,000 tensors of the same total size?
 
 from __future__ import annotations
 
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
@@ -216,3 +217,75 @@ def _floor(ctx: Context, tensors: int, layout: Layout, world: int) -> Row:
         return run_row(row, ctx.config.sync_steps, copy, ctx.seed_iter)
     finally:
         torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- targets
+
+_SHARDED_LOADS = f"{WEIGHT_API}, {WORLD}-way sharded, {BLOCKS}, {LOAD_ONLY}"
+_WHOLE_LOADS = f"{WEIGHT_API}, full, {LOAD_ONLY}"
+
+
+def weight_targets(rows: Sequence[Row]) -> str:
+    """The issue's three speed targets as this run measured them, each beside what
+    the in-process copy (the floor) gives for the same ratio in the same run:
+    where the floor itself misses a target, so must anything that lands the bytes
+    in the consumer's own tensors."""
+    ms = {
+        (r.system, r.param): statistics.median(r.times_s) * 1e3
+        for r in rows
+        if r.times_s and r.error is None
+    }
+    lines: list[tuple[str, str, float | None, float | None, bool]] = []
+
+    def ratio(a: tuple[str, str], b: tuple[str, str]) -> float | None:
+        return ms[a] / ms[b] if a in ms and b in ms else None
+
+    many, one = _param(5000, 1), _param(1, 1)
+    floor = ratio((FLOOR_COPY, many), (FLOOR_COPY, one))
+    for system, what in (
+        (f"{WEIGHT_API}, full", "weight API, whole step"),
+        (_WHOLE_LOADS, "weight API, loads"),
+        (PRIMITIVES, "@rd.method dict, rd.get(into=)"),
+    ):
+        for n in (1, WORLD):
+            got = ratio((system, _param(5000, n)), (system, _param(1, n)))
+            point = f"{what}, {_param(5000, n).split(', ')[1]}"
+            lines.append(("5,000 tensors / 1 tensor, at most 1.3x", point, got, floor, True))
+    for tensors in (200, 5000):
+        point = _param(tensors, WORLD)
+        got = ratio((RDT_GLOO, point), (f"{WEIGHT_API}, full", point))
+        lines.append((f"{WORLD} consumers, RDT gloo / ours, at least 4x", point, got, None, False))
+    for tensors in (200, 5000):
+        floor = ratio(
+            (f"{FLOOR_COPY}, {WORLD}-way sharded", _param(tensors, 1)),
+            (FLOOR_COPY, _param(tensors, 1)),
+        )
+        for n in (1, WORLD):
+            point = _param(tensors, n)
+            got = ratio((_SHARDED_LOADS, point), (_WHOLE_LOADS, point))
+            lines.append(
+                (f"{WORLD}-way shard / whole load, at most 0.35x", point, got, floor, True)
+            )
+    return _render_targets(lines)
+
+
+def _render_targets(lines: list[tuple[str, str, float | None, float | None, bool]]) -> str:
+    """Markdown: target, point, ours, the floor's, met. ``at most`` lines are met
+    at or under the bound, ``at least`` lines at or over it."""
+    out = [
+        "Targets (ratios of median step times in this run; the floor: one in-process copy):",
+        "",
+        "| target | point | measured | the floor's own | met |",
+        "|---|---|---:|---:|---|",
+    ]
+    for target, point, got, floor, at_most in lines:
+        if got is None:
+            continue
+        bound = float(target.rsplit(" ", 1)[1].rstrip("x"))
+        shown = round(got, 2)  # judged as printed
+        met = shown <= bound if at_most else shown >= bound
+        shown_floor = "-" if floor is None else f"{floor:.2f}x"
+        out.append(
+            f"| {target} | {point} | {got:.2f}x | {shown_floor} | {'yes' if met else 'no'} |"
+        )
+    return "\n".join(out) if len(out) > 4 else ""

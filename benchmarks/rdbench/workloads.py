@@ -62,7 +62,7 @@ from rdbench.fleet import (
     rdt_ready,
     skip,
 )
-from rdbench.weights import weight_api
+from rdbench.weights import weight_api, weight_targets
 
 FLOOR_TORCH_THREADS = 1  # Ray workers run torch with one thread; the floors do too
 SMALL_BYTES = 4 * KIB
@@ -605,6 +605,7 @@ WORKLOADS = {
             "GB/s",
             (OBJECT_STORE, RDT_GLOO),
             weight_api,
+            weight_targets,
         ),
     ]
 }
