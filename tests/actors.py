@@ -13,6 +13,7 @@ import ray
 import torch
 
 import raydirect as rd
+from raydirect import _native
 from raydirect.testing import mismatch
 
 
@@ -555,6 +556,9 @@ class Trainer:
     def stats(self) -> rd.LocalStats:
         return rd.local_stats()
 
+    def native_status(self) -> str:
+        return _native.status()
+
 
 @ray.remote(num_cpus=0)
 class Inference:
@@ -601,6 +605,9 @@ class Inference:
 
     def same_tensors(self) -> bool:
         return all(id(v) == self.ids[k] for k, v in self.weights.items())
+
+    def native_status(self) -> str:
+        return _native.status()
 
     def received(self) -> int:
         return sum(rd.local_stats().bytes_received.values())

@@ -55,7 +55,7 @@ def _payload_of(value: dict[str, torch.Tensor]) -> Payload:
     """The Payload ``export`` makes for ``value``, without an agent: the same
     skeleton, metas and cma addresses."""
     parts = _payload.split(value)
-    views = _byte_views(parts.tensors, parts.metas)
+    views = _byte_views(parts)
     producer = ProducerInfo("tcp://10.0.0.1:40000", "f" * 56, 4242, 1, b"t" * 16, "Trainer.state")
     return Payload(
         obj_id=b"o" * 16,

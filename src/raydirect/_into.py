@@ -35,12 +35,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from raydirect import _native as native
 from raydirect._payload import Payload, join, state_dict_index, state_dict_keys
 from raydirect._tensors import (
     DTYPE_NAMES,
     KIND_TORCH,
     TensorMeta,
     TensorMetas,
+    device_types,
     finish,
     torch_dtype,
 )
@@ -77,7 +79,7 @@ class DescribedTargets:
 
     keys: tuple[str, ...]
     tensors: list[torch.Tensor]
-    shapes: list[torch.Size]
+    shapes: list[tuple[int, ...]]  # torch.Size or tuples: equal alike
     dtypes: list[str]
     devices: list[str]
     addresses: list[int]
@@ -92,23 +94,35 @@ def describe_targets(into: Any) -> DescribedTargets | None:
 
 
 def _described(keys: tuple[str, ...], tensors: list[Any]) -> DescribedTargets | None:
-    """``tensors`` as columns (C comprehensions, no call per target), or None
-    unless they are contiguous plain torch tensors in distinct memory."""
+    """``tensors`` as columns (C comprehensions, or the native helper's one loop),
+    or None unless they are contiguous plain torch tensors in distinct memory."""
     if not all([type(t) is torch.Tensor for t in tensors]):
         return None
-    if not all([t.is_contiguous() for t in tensors]):
-        return None
-    addresses = [t.data_ptr() for t in tensors]
+    facts = native.facts(tensors)
+    if facts is not None:
+        if not facts.all(native.CONTIGUOUS):
+            return None
+        addresses, nbytes = facts.addresses.tolist(), facts.nbytes
+    else:
+        if not all([t.is_contiguous() for t in tensors]):
+            return None
+        addresses, nbytes = [t.data_ptr() for t in tensors], None
     if len(set(addresses)) != len(addresses):  # empty tensors may share an address
-        nonempty = [a for a, t in zip(addresses, tensors, strict=True) if t.nbytes]
+        sizes = nbytes or [t.nbytes for t in tensors]
+        nonempty = [a for a, n in zip(addresses, sizes, strict=True) if n]
         if len(set(nonempty)) != len(nonempty):
             return None  # two targets share memory: the checks name them
+    if facts is not None:
+        dtypes = list(map(DTYPE_NAMES.__getitem__, facts.dtypes))
+        cpu = facts.all(native.CPU)
+        devices = ["cpu"] * len(tensors) if cpu else device_types(tensors)
+        return DescribedTargets(keys, tensors, facts.shapes, dtypes, devices, addresses)
     return DescribedTargets(
         keys,
         tensors,
         [t.shape for t in tensors],
         [DTYPE_NAMES[t.dtype] for t in tensors],
-        ["cpu" if t.is_cpu else t.device.type for t in tensors],  # .device costs more
+        device_types(tensors),
         addresses,
     )
 

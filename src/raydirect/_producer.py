@@ -242,9 +242,11 @@ def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
         obj_id=secrets.token_bytes(16),
         capability=secrets.token_bytes(16),
         originals=parts.originals,
-        buffers=_byte_views(parts.tensors, parts.metas),
+        buffers=_byte_views(parts),
         metas=parts.metas,
-        versions=[t._version for t in parts.tensors],
+        versions=parts.versions
+        if parts.versions is not None
+        else [t._version for t in parts.tensors],
         label=label,
         transport=transport,
         nbytes=parts.metas.total_bytes(),
@@ -253,15 +255,19 @@ def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
     return obj
 
 
-def _byte_views(tensors: list[torch.Tensor], metas: TensorMetas) -> ByteViews:
+def _byte_views(parts: SplitValue) -> ByteViews:
     """The bytes each tensor sends; a non-contiguous one is packed once, now.
     Flat views are made only for transports that use them: ``cma`` needs addresses."""
-    if all([t.is_contiguous() for t in tensors]):
+    tensors, addresses = parts.tensors, parts.addresses
+    if addresses is not None:  # read with the metas: every tensor is contiguous
         sources = tensors
     else:
-        sources = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    addresses = np.array([t.data_ptr() for t in sources], dtype=np.int64)
-    lengths = np.asarray(metas.nbytes, dtype=np.int64)
+        if all([t.is_contiguous() for t in tensors]):
+            sources = tensors
+        else:
+            sources = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        addresses = np.array([t.data_ptr() for t in sources], dtype=np.int64)
+    lengths = np.asarray(parts.metas.nbytes, dtype=np.int64)
     return ByteViews(addresses, lengths, lambda i: flat_bytes(sources[i]))
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from raydirect import _compression as compression
+from raydirect import _native as native
 
 # Arena slots start on cache-line boundaries so every dtype view is aligned.
 _ALIGN = 64
@@ -200,24 +201,60 @@ class TensorMetas(Sequence[TensorMeta]):
 _last_packed: tuple[TensorMetas | None, bytes] = (None, b"")
 
 
+class Described(NamedTuple):
+    """What ``describe_all`` read: the metas, and for plain torch tensors read by
+    the native helper what export needs besides, read in the same loop: each
+    tensor's address (None unless all are contiguous) and version counter."""
+
+    metas: TensorMetas
+    addresses: np.ndarray | None = None
+    versions: list[int] | None = None
+
+
 def describe_all(
     originals: list[Any], tensors: list[torch.Tensor], plain: bool = False
-) -> TensorMetas:
+) -> Described:
     """``describe`` each (original, torch view) pair; plain torch tensors in bulk
     (``plain``: the caller knows every original is one)."""
     if not plain and not all([type(o) is torch.Tensor for o in originals]):
-        return TensorMetas.of(describe(o, t) for o, t in zip(originals, tensors, strict=True))
+        return Described(
+            TensorMetas.of(describe(o, t) for o, t in zip(originals, tensors, strict=True))
+        )
+    facts = native.facts(tensors)
+    if facts is not None:
+        return _described_natively(tensors, facts)
     # One pass per attribute: an object of thousands of tensors pays C calls, not
     # a Python function call per tensor. Shapes stay torch.Size (a tuple): ``pack``
     # flattens them.
     grads = [t.requires_grad for t in tensors]
-    return TensorMetas(
-        [t.shape for t in tensors],
-        [DTYPE_NAMES[t.dtype] for t in tensors],
-        [t.nbytes for t in tensors],
-        ["cpu" if t.is_cpu else t.device.type for t in tensors],  # .device costs more
-        [(KIND_TORCH, g, False, None) for g in grads] if any(grads) else None,
+    return Described(
+        TensorMetas(
+            [t.shape for t in tensors],
+            [DTYPE_NAMES[t.dtype] for t in tensors],
+            [t.nbytes for t in tensors],
+            device_types(tensors),
+            [(KIND_TORCH, g, False, None) for g in grads] if any(grads) else None,
+        )
     )
+
+
+def _described_natively(tensors: list[torch.Tensor], facts: native.Facts) -> Described:
+    grads = facts.any(native.REQUIRES_GRAD)
+    metas = TensorMetas(
+        facts.shapes,
+        list(map(DTYPE_NAMES.__getitem__, facts.dtypes)),
+        facts.nbytes,
+        ["cpu"] * len(tensors) if facts.all(native.CPU) else device_types(tensors),
+        [(KIND_TORCH, bool(f & native.REQUIRES_GRAD), False, None) for f in facts.flags]
+        if grads
+        else None,
+    )
+    addresses = facts.addresses if facts.all(native.CONTIGUOUS) else None
+    return Described(metas, addresses, facts.versions)
+
+
+def device_types(tensors: list[torch.Tensor]) -> list[str]:
+    return ["cpu" if t.is_cpu else t.device.type for t in tensors]  # .device costs more
 
 
 def describe(obj: Any, tensor: torch.Tensor) -> TensorMeta:

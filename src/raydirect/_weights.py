@@ -41,6 +41,7 @@ import ray
 import torch
 
 from raydirect import _compression as compression
+from raydirect import _native as native
 from raydirect import _ray
 from raydirect._collector import collector_paused
 from raydirect._producer import export
@@ -159,6 +160,8 @@ class WeightsHandle:
 
 
 Blocks = Callable[[str, tuple[int, ...]], "tuple[int, int] | None"]
+# Names, shapes and dtypes of a source as a publish saw them.
+_Seen = tuple[tuple[str, ...], list[tuple[int, ...]], list[torch.dtype]]
 
 
 @dataclass
@@ -206,7 +209,7 @@ class WeightPublisher:
         self._transport = tensor_transport
         self._blocks = shard_blocks
         self._layout: WeightsLayout | None = None
-        self._seen: tuple[tuple[str, ...], list[torch.Size], list[torch.dtype]] | None = None
+        self._seen: _Seen | None = None
         self._slots: list[_Slot] = []
         self._last: int | None = None
         self._lock = threading.Lock()
@@ -249,7 +252,7 @@ class WeightPublisher:
         names = tuple(state)
         # What the source looked like at the last publish, compared as torch's own
         # objects: 5,000 tensors cost a millisecond, not the eight of building tuples.
-        seen = (names, [t.shape for t in state.values()], [t.dtype for t in state.values()])
+        seen = _shapes_and_dtypes(names, list(state.values()))
         if self._layout is not None and seen == self._seen:
             return self._layout
         self._seen = seen
@@ -323,6 +326,14 @@ class WeightPublisher:
                 "handles of earlier versions are alive somewhere (a consumer, a pending task, "
                 "a variable). Drop them once loaded, raise depth, or pass a larger timeout"
             ) from None
+
+
+def _shapes_and_dtypes(names: tuple[str, ...], tensors: list[torch.Tensor]) -> _Seen:
+    plain = all([type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors])
+    facts = native.facts(tensors) if plain else None
+    if facts is not None:
+        return (names, facts.shapes, facts.dtypes)
+    return (names, [t.shape for t in tensors], [t.dtype for t in tensors])
 
 
 def _slot_offsets(
