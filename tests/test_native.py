@@ -7,6 +7,9 @@ real Ray actors. Skipped, with the compiler's reason, where it cannot be built."
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 
 import pytest
 import ray
@@ -141,3 +144,19 @@ def test_weight_sync_through_it_in_real_actors(native, ray_session):
     assert all(torch.equal(got[k], v) for k, v in sent.items())
     ray.kill(t)
     ray.kill(r)
+
+
+def test_the_command_builds_it_or_says_why(native, tmp_path):
+    """``raydirect native``: finds the build (no compile: the fixture built it)
+    and says how to use it; where it cannot build, exit 1 and what it needs."""
+    cli = [sys.executable, "-m", "raydirect.cli", "native"]
+    env = {**os.environ, _native.DIR_ENV: native}
+    done = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "raydirect_native.so" in done.stdout and f"{_native.NATIVE_ENV}=1" in done.stdout
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a directory")
+    env[_native.DIR_ENV] = str(blocked)
+    done = subprocess.run(cli, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 1
+    assert "the build failed" in done.stderr and "C++ compiler" in done.stderr

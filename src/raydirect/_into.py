@@ -44,6 +44,7 @@ from raydirect._tensors import (
     TensorMetas,
     device_types,
     finish,
+    named_columns,
     torch_dtype,
 )
 
@@ -94,36 +95,39 @@ def describe_targets(into: Any) -> DescribedTargets | None:
 
 
 def _described(keys: tuple[str, ...], tensors: list[Any]) -> DescribedTargets | None:
-    """``tensors`` as columns (C comprehensions, or the native helper's one loop),
-    or None unless they are contiguous plain torch tensors in distinct memory."""
+    """``tensors`` as columns, or None unless they are contiguous plain torch
+    tensors in distinct memory."""
     if not all([type(t) is torch.Tensor for t in tensors]):
         return None
+    columns = _target_columns(tensors)
+    if columns is None:
+        return None
+    shapes, dtypes, devices, addresses, sizes = columns
+    if len(set(addresses)) != len(addresses):  # empty tensors may share an address
+        sizes = sizes if sizes is not None else [t.nbytes for t in tensors]
+        nonempty = [a for a, n in zip(addresses, sizes, strict=True) if n]
+        if len(set(nonempty)) != len(nonempty):
+            return None  # two targets share memory: the checks name them
+    return DescribedTargets(keys, tensors, shapes, dtypes, devices, addresses)
+
+
+def _target_columns(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
+    """(shapes, dtypes, devices, addresses, sizes or None) of ``tensors``, None
+    when one is not contiguous: the native helper's one loop, or C comprehensions."""
     facts = native.facts(tensors)
     if facts is not None:
         if not facts.all(native.CONTIGUOUS):
             return None
-        addresses, nbytes = facts.addresses.tolist(), facts.nbytes
-    else:
-        if not all([t.is_contiguous() for t in tensors]):
-            return None
-        addresses, nbytes = [t.data_ptr() for t in tensors], None
-    if len(set(addresses)) != len(addresses):  # empty tensors may share an address
-        sizes = nbytes or [t.nbytes for t in tensors]
-        nonempty = [a for a, n in zip(addresses, sizes, strict=True) if n]
-        if len(set(nonempty)) != len(nonempty):
-            return None  # two targets share memory: the checks name them
-    if facts is not None:
-        dtypes = list(map(DTYPE_NAMES.__getitem__, facts.dtypes))
-        cpu = facts.all(native.CPU)
-        devices = ["cpu"] * len(tensors) if cpu else device_types(tensors)
-        return DescribedTargets(keys, tensors, facts.shapes, dtypes, devices, addresses)
-    return DescribedTargets(
-        keys,
-        tensors,
+        dtypes, devices = named_columns(facts, tensors)
+        return facts.shapes, dtypes, devices, facts.addresses.tolist(), facts.nbytes
+    if not all([t.is_contiguous() for t in tensors]):
+        return None
+    return (
         [t.shape for t in tensors],
         [DTYPE_NAMES[t.dtype] for t in tensors],
         device_types(tensors),
-        addresses,
+        [t.data_ptr() for t in tensors],
+        None,
     )
 
 

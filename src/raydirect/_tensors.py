@@ -239,12 +239,13 @@ def describe_all(
 
 
 def _described_natively(tensors: list[torch.Tensor], facts: native.Facts) -> Described:
+    dtypes, devices = named_columns(facts, tensors)
     grads = facts.any(native.REQUIRES_GRAD)
     metas = TensorMetas(
         facts.shapes,
-        list(map(DTYPE_NAMES.__getitem__, facts.dtypes)),
+        dtypes,
         facts.nbytes,
-        ["cpu"] * len(tensors) if facts.all(native.CPU) else device_types(tensors),
+        devices,
         [(KIND_TORCH, bool(f & native.REQUIRES_GRAD), False, None) for f in facts.flags]
         if grads
         else None,
@@ -255,6 +256,12 @@ def _described_natively(tensors: list[torch.Tensor], facts: native.Facts) -> Des
 
 def device_types(tensors: list[torch.Tensor]) -> list[str]:
     return ["cpu" if t.is_cpu else t.device.type for t in tensors]  # .device costs more
+
+
+def named_columns(facts: native.Facts, tensors: list[torch.Tensor]) -> tuple[list[str], list[str]]:
+    """The dtype names and device types of tensors the native helper read."""
+    dtypes = list(map(DTYPE_NAMES.__getitem__, facts.dtypes))
+    return dtypes, ["cpu"] * len(tensors) if facts.all(native.CPU) else device_types(tensors)
 
 
 def describe(obj: Any, tensor: torch.Tensor) -> TensorMeta:
