@@ -8,10 +8,13 @@ profiling aid that follows the code, not an API); the table gives, for each call
 when it started and ended after the driver's call, and how long it took:
 medians over the steps after the first.
 
-    ./dev python benchmarks/step_timeline.py [--tensors 1,200,5000] [--steps 20] [--native]
+    ./dev python benchmarks/step_timeline.py [--tensors 1,200,5000] [--steps 20]
+        [--native] [--malloc-huge-pages]
 
 ``--native`` builds raydirect's optional native helper (``raydirect native``) and
-runs both actors with ``RAYDIRECT_NATIVE=1``.
+runs both actors with ``RAYDIRECT_NATIVE=1``. ``--malloc-huge-pages`` starts both
+with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc 2.35+): malloc's own memory,
+where small tensors live, then gets transparent huge pages too.
 
 The layouts are workload 6's (``rdbench.common.state_dict_layout``): 256 MiB as one
 tensor, as 200 (22 decoder layers) and as 5,000 (555). Huge pages for large
@@ -39,6 +42,7 @@ import raydirect as rd  # noqa: E402
 from raydirect import _native as native  # noqa: E402
 
 TOTAL = 256 << 20
+MALLOC_HUGE_PAGES = "glibc.malloc.hugetlb=1"  # read by glibc when a process starts
 LAYERS = {200: 22, 5000: 555}
 # (module, name) of the calls marked in each role.
 PRODUCER_CALLS = [
@@ -153,6 +157,9 @@ def main() -> None:
     parser.add_argument("--tensors", default="1,200,5000", help="comma-separated: 1, 200, 5000")
     parser.add_argument("--steps", type=int, default=20, help="timed steps after the cold one")
     parser.add_argument("--native", action="store_true", help="with the native helper")
+    parser.add_argument(
+        "--malloc-huge-pages", action="store_true", help="small tensors on huge pages too"
+    )
     args = parser.parse_args()
     counts = [int(n) for n in args.tensors.split(",")]
     for n in counts:
@@ -162,6 +169,8 @@ def main() -> None:
     if args.native:
         native.build()  # here, once: the actors load it at their first export
         env[native.NATIVE_ENV] = "1"
+    if args.malloc_huge_pages:
+        env["GLIBC_TUNABLES"] = MALLOC_HUGE_PAGES
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
     for n in counts:
         run(n, args.steps)
