@@ -258,14 +258,12 @@ def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
 def _byte_views(parts: SplitValue) -> ByteViews:
     """The bytes each tensor sends; a non-contiguous one is packed once, now.
     Flat views are made only for transports that use them: ``cma`` needs addresses."""
-    tensors, addresses = parts.tensors, parts.addresses
-    if addresses is not None:  # read with the metas: every tensor is contiguous
+    tensors, addresses = parts.tensors, parts.addresses  # addresses: all contiguous
+    if addresses is not None or all([t.is_contiguous() for t in tensors]):
         sources = tensors
     else:
-        if all([t.is_contiguous() for t in tensors]):
-            sources = tensors
-        else:
-            sources = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+        sources = [t if t.is_contiguous() else t.contiguous() for t in tensors]
+    if addresses is None:
         addresses = np.array([t.data_ptr() for t in sources], dtype=np.int64)
     lengths = np.asarray(parts.metas.nbytes, dtype=np.int64)
     return ByteViews(addresses, lengths, lambda i: flat_bytes(sources[i]))
