@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 import torch
@@ -55,7 +55,11 @@ TUNED_PRIMITIVES = f"{PRIMITIVES}, {TUNED}"
 
 
 def _param(tensors: int, consumers: int) -> str:
-    return f"{tensors} tensor{'s' * (tensors > 1)}, {consumers} consumer{'s' * (consumers > 1)}"
+    return f"{tensors} tensor{'s' * (tensors > 1)}, {_consumers(consumers)}"
+
+
+def _consumers(n: int) -> str:
+    return f"{n} consumer{'s' * (n > 1)}"
 
 
 def weight_api(ctx: Context) -> list[Row]:
@@ -245,13 +249,12 @@ def weight_targets(rows: Sequence[Row]) -> str:
         for r in rows
         if r.times_s and r.error is None
     }
-    lines: list[tuple[str, str, float | None, float | None, bool]] = []
+    lines: list[_Line] = []
 
     def ratio(a: tuple[str, str], b: tuple[str, str]) -> float | None:
         return ms[a] / ms[b] if a in ms and b in ms else None
 
-    many, one = _param(5000, 1), _param(1, 1)
-    floor = ratio((FLOOR_COPY, many), (FLOOR_COPY, one))
+    floor = ratio((FLOOR_COPY, _param(5000, 1)), (FLOOR_COPY, _param(1, 1)))
     for system, what in (
         (f"{WEIGHT_API}, full", "weight API, whole step"),
         (_WHOLE_LOADS, "weight API, loads"),
@@ -260,12 +263,12 @@ def weight_targets(rows: Sequence[Row]) -> str:
     ):
         for n in (1, WORLD):
             got = ratio((system, _param(5000, n)), (system, _param(1, n)))
-            point = f"{what}, {_param(5000, n).split(', ')[1]}"
-            lines.append(("5,000 tensors / 1 tensor, at most 1.3x", point, got, floor, True))
+            point = f"{what}, {_consumers(n)}"
+            lines.append(_Line("5,000 tensors / 1 tensor", 1.3, True, point, got, floor))
     for tensors in (200, 5000):
         point = _param(tensors, WORLD)
         got = ratio((RDT_GLOO, point), (f"{WEIGHT_API}, full", point))
-        lines.append((f"{WORLD} consumers, RDT gloo / ours, at least 4x", point, got, None, False))
+        lines.append(_Line(f"{WORLD} consumers, RDT gloo / ours", 4, False, point, got, None))
     for tensors in (200, 5000):
         floor = ratio(
             (f"{FLOOR_COPY}, {WORLD}-way sharded", _param(tensors, 1)),
@@ -274,29 +277,38 @@ def weight_targets(rows: Sequence[Row]) -> str:
         for n in (1, WORLD):
             point = _param(tensors, n)
             got = ratio((_SHARDED_LOADS, point), (_WHOLE_LOADS, point))
-            lines.append(
-                (f"{WORLD}-way shard / whole load, at most 0.35x", point, got, floor, True)
-            )
+            lines.append(_Line(f"{WORLD}-way shard / whole load", 0.35, True, point, got, floor))
     return _render_targets(lines)
 
 
-def _render_targets(lines: list[tuple[str, str, float | None, float | None, bool]]) -> str:
-    """Markdown: target, point, ours, the floor's, met. ``at most`` lines are met
-    at or under the bound, ``at least`` lines at or over it."""
+class _Line(NamedTuple):
+    """One target at one point: ``measured`` must be at most (or at least) ``bound``."""
+
+    what: str
+    bound: float
+    at_most: bool
+    point: str
+    measured: float | None
+    floor: float | None
+
+
+def _render_targets(lines: list[_Line]) -> str:
+    """Markdown: target, point, ours, the floor's, met (judged as printed); lines
+    whose rows did not run are left out."""
     out = [
         "Targets (ratios of median step times in this run; the floor: one in-process copy):",
         "",
         "| target | point | measured | the floor's own | met |",
         "|---|---|---:|---:|---|",
     ]
-    for target, point, got, floor, at_most in lines:
-        if got is None:
+    for line in lines:
+        if line.measured is None:
             continue
-        bound = float(target.rsplit(" ", 1)[1].rstrip("x"))
-        shown = round(got, 2)  # judged as printed
-        met = shown <= bound if at_most else shown >= bound
-        shown_floor = "-" if floor is None else f"{floor:.2f}x"
+        shown = round(line.measured, 2)
+        met = shown <= line.bound if line.at_most else shown >= line.bound
+        target = f"{line.what}, {'at most' if line.at_most else 'at least'} {line.bound:g}x"
+        floor = "-" if line.floor is None else f"{line.floor:.2f}x"
         out.append(
-            f"| {target} | {point} | {got:.2f}x | {shown_floor} | {'yes' if met else 'no'} |"
+            f"| {target} | {line.point} | {shown:.2f}x | {floor} | {'yes' if met else 'no'} |"
         )
     return "\n".join(out) if len(out) > 4 else ""

@@ -226,32 +226,28 @@ def describe_all(
     # One pass per attribute: an object of thousands of tensors pays C calls, not
     # a Python function call per tensor. Shapes stay torch.Size (a tuple): ``pack``
     # flattens them.
-    grads = [t.requires_grad for t in tensors]
     return Described(
         TensorMetas(
             [t.shape for t in tensors],
             [DTYPE_NAMES[t.dtype] for t in tensors],
             [t.nbytes for t in tensors],
             device_types(tensors),
-            [(KIND_TORCH, g, False, None) for g in grads] if any(grads) else None,
+            _grad_rest([t.requires_grad for t in tensors]),
         )
     )
 
 
 def _described_natively(tensors: list[torch.Tensor], facts: native.Facts) -> Described:
     dtypes, devices = named_columns(facts, tensors)
-    grads = facts.any(native.REQUIRES_GRAD)
-    metas = TensorMetas(
-        facts.shapes,
-        dtypes,
-        facts.nbytes,
-        devices,
-        [(KIND_TORCH, bool(f & native.REQUIRES_GRAD), False, None) for f in facts.flags]
-        if grads
-        else None,
-    )
+    grads = (facts.flags & native.REQUIRES_GRAD).astype(bool).tolist()
+    metas = TensorMetas(facts.shapes, dtypes, facts.nbytes, devices, _grad_rest(grads))
     addresses = facts.addresses if facts.all(native.CONTIGUOUS) else None
     return Described(metas, addresses, facts.versions)
+
+
+def _grad_rest(grads: list[bool]) -> list[tuple[int, bool, bool, str | None]] | None:
+    """The ``rest`` column of plain torch tensors with these grad flags (None: all plain)."""
+    return [(KIND_TORCH, g, False, None) for g in grads] if any(grads) else None
 
 
 def device_types(tensors: list[torch.Tensor]) -> list[str]:
