@@ -143,6 +143,18 @@ class Producer:
         self.kept[key] = torch.arange(n, dtype=torch.float32)
         return self.kept[key]
 
+    @rd.method
+    def keep_same(self) -> torch.Tensor:
+        """The same live tensor every call (a server's cached output)."""
+        if "same" not in self.kept:
+            self.kept["same"] = torch.arange(10, dtype=torch.float32)
+        return self.kept["same"]
+
+    def inline_entries(self) -> int:
+        from raydirect import _payload
+
+        return _payload.inline_entries()
+
     def is_kept(self, key: str, value: Any) -> bool:
         """Passing a ref back to its producer must give the very same tensor."""
         return value is self.kept[key]

@@ -2,8 +2,16 @@
 
 from __future__ import annotations
 
+import gc
+import pickle
+
 import pytest
 import ray
+import torch
+from ray import cloudpickle
+
+from raydirect import _payload
+from raydirect._producer import INLINE_ENV, export
 
 import actors
 from helpers import wait_for
@@ -68,3 +76,29 @@ def test_an_inlined_ref_passed_back_to_its_producer_is_the_same_tensor(inline_pa
     assert ray.get(p.is_kept.remote("inline", ref)) is True
     # Elsewhere it is a copy of the same values, as for any value.
     assert ray.get(ref).tolist() == list(range(1000))
+
+
+def test_returning_one_live_tensor_many_times_keeps_one_entry(ray_session, monkeypatch):
+    """The review's reproduction: 100,000 inlined returns of one live tensor left
+    100,000 entries in a module-level registry. One entry per live tensor."""
+    monkeypatch.delenv(INLINE_ENV, raising=False)  # the default limit
+    kept = torch.arange(1000, dtype=torch.float32)
+    before = _payload.inline_entries()
+    for _ in range(100_000):
+        value = export({"t": kept}, "auto")
+        assert isinstance(value, _payload.InlineValue)
+    assert _payload.inline_entries() == before + 1
+    # Passed back to this process, it is still the very tensor.
+    assert pickle.loads(cloudpickle.dumps(value))["t"] is kept
+    del kept, value
+    gc.collect()
+    assert _payload.inline_entries() == before  # the entry goes with the tensor
+
+
+def test_an_actor_returning_one_tensor_keeps_one_entry(inline_pair):
+    p, _ = inline_pair
+    assert ray.get(p.keep_same.remote()).tolist() == list(range(10))
+    entries = ray.get(p.inline_entries.remote())
+    refs = [p.keep_same.remote() for _ in range(300)]
+    assert all(t.tolist() == list(range(10)) for t in ray.get(refs))
+    assert ray.get(p.inline_entries.remote()) == entries

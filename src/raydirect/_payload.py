@@ -155,11 +155,44 @@ def _rebuild(*state: Any) -> Any:
 #
 # A small value travels inside Ray's own reply (no lease, no agent round trip),
 # pickled whole. A ref passed back to its producer must still yield the very
-# tensors the producer holds, not copies: each tensor is remembered here by a
-# key while it lives, and a rebuild in the same process swaps the originals in.
+# tensors the producer holds, not copies: each tensor gets a key while it
+# lives, and a rebuild in the same process swaps the originals in. One key per
+# live tensor, however often it is returned: a server returning the same
+# tensor a hundred thousand times keeps one entry, and a tensor's entries go
+# when it does (a weak reference's callback).
 
-_inline_originals: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
+_inline_by_key: dict[int, weakref.ref[Any]] = {}
+_inline_by_id: dict[int, tuple[int, weakref.ref[Any]]] = {}  # id(original) -> key, ref
 _inline_keys = itertools.count(1)
+
+
+def _inline_key(original: Any) -> int:
+    """``original``'s key (0: it cannot be weakly referenced; the producer gets a copy)."""
+    entry = _inline_by_id.get(id(original))
+    if entry is not None and entry[1]() is original:
+        return entry[0]
+    key = next(_inline_keys)
+    try:
+        ref = weakref.ref(original, functools.partial(_forget_inline, id(original), key))
+    except TypeError:
+        return 0
+    # Plain dict operations, no lock: the callback may run inside a collection
+    # that starts while this very thread is here.
+    _inline_by_key[key] = ref
+    _inline_by_id[id(original)] = (key, ref)
+    return key
+
+
+def _forget_inline(ident: int, key: int, _ref: Any) -> None:
+    _inline_by_key.pop(key, None)
+    entry = _inline_by_id.get(ident)
+    if entry is not None and entry[0] == key:
+        _inline_by_id.pop(ident, None)
+
+
+def inline_entries() -> int:
+    """Live tensors this process has returned inline (bounded by the live tensors)."""
+    return len(_inline_by_key)
 
 
 @dataclass(slots=True)
@@ -173,14 +206,7 @@ class InlineValue:
 
     @classmethod
     def of(cls, parts: SplitValue) -> InlineValue:
-        keys = []
-        for original in parts.originals:
-            key = next(_inline_keys)
-            try:
-                _inline_originals[key] = original
-            except TypeError:  # not weakly referenceable: the producer gets a copy
-                key = 0
-            keys.append(key)
+        keys = [_inline_key(original) for original in parts.originals]
         return cls(parts.skeleton, parts.originals, parts.handles, keys)
 
     def __reduce__(self):
@@ -192,10 +218,14 @@ def _rebuild_inline(
     token: bytes, skeleton: bytes, tensors: list[Any], handles: list[Any], keys: list[int]
 ) -> Any:
     if token == _process.PROCESS_TOKEN:
-        tensors = [
-            _inline_originals.get(k, t) if k else t for k, t in zip(keys, tensors, strict=True)
-        ]
+        tensors = [_inline_original(k, t) for k, t in zip(keys, tensors, strict=True)]
     return join(skeleton, tensors, handles)
+
+
+def _inline_original(key: int, received: Any) -> Any:
+    ref = _inline_by_key.get(key) if key else None
+    original = ref() if ref is not None else None
+    return received if original is None else original
 
 
 # ---------------------------------------------------------------- split / join

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from raydirect._ranges import ByteViews
-from raydirect._tensors import TensorMetas
+from raydirect._tensors import UNTRACKED, TensorMetas
 
 log = logging.getLogger("raydirect")
 
@@ -72,11 +72,14 @@ class StoredObject:
     freed: bool = False  # set under ``lock`` before its transport state is released
 
     def check_unmodified(self) -> None:
-        """Warn (once) if a tensor was written in place after it was exported."""
+        """Warn (once) if a tensor was written in place after it was exported
+        (inference tensors keep no version counter: their writes go unseen)."""
         if self.mutation_warned:
             return
         for original, version in zip(self.originals, self.versions, strict=True):
-            if isinstance(original, torch.Tensor) and original._version != version:
+            if version == UNTRACKED or not isinstance(original, torch.Tensor):
+                continue
+            if original._version != version:
                 self.mutation_warned = True
                 warnings.warn(
                     f"a tensor returned by {self.label} was modified in place after it was "

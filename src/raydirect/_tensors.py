@@ -275,6 +275,21 @@ def describe(obj: Any, tensor: torch.Tensor) -> TensorMeta:
     )
 
 
+UNTRACKED = -1
+"""The version ``version_counters`` gives an inference tensor: it has no counter."""
+
+
+def version_counters(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """Each tensor's version counter, read when it is exported, so a later in-place
+    write can be told. Tensors made under ``torch.inference_mode()`` keep no
+    counter (torch raises on ``_version``): they get ``UNTRACKED``, and in-place
+    writes to them cannot be detected."""
+    try:
+        return [t._version for t in tensors]
+    except RuntimeError:  # only now pay for asking each tensor
+        return [UNTRACKED if t.is_inference() else t._version for t in tensors]
+
+
 def flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """A 1-d uint8 tensor over exactly this tensor's elements (packing a
     non-contiguous tensor once)."""

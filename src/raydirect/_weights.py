@@ -368,17 +368,19 @@ def _new_slot(layout: WeightsLayout) -> _Slot:
         if block is not None:
             size = (block[1] - 1) * layout.block_stride(i) + size // block[1]
         spans.append((off, size))
-    buffer = torch.empty(
-        max((off + size for off, size in spans), default=0), dtype=torch.uint8, device=layout.device
-    )
-    views = []
-    for i, ((off, size), dtype, shape) in enumerate(
-        zip(spans, layout.dtypes, layout.shapes, strict=True)
-    ):
-        flat = buffer[off : off + size].view(torch_dtype(dtype))
-        block = layout.block_of(i)
-        stride = layout.block_stride(i) // flat.element_size() if block is not None else None
-        views.append(blocked_view(flat, shape, block, stride))
+    nbytes = max((off + size for off, size in spans), default=0)
+    # Never inference tensors, nor views made in inference mode (a publish inside
+    # torch.inference_mode()): the next publish, in or out of it, writes them in place.
+    with torch.inference_mode(False):
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=layout.device)
+        views = []
+        for i, ((off, size), dtype, shape) in enumerate(
+            zip(spans, layout.dtypes, layout.shapes, strict=True)
+        ):
+            flat = buffer[off : off + size].view(torch_dtype(dtype))
+            block = layout.block_of(i)
+            stride = layout.block_stride(i) // flat.element_size() if block is not None else None
+            views.append(blocked_view(flat, shape, block, stride))
     return _Slot(buffer, views)
 
 
