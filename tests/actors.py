@@ -155,6 +155,26 @@ class Producer:
 
         return _payload.inline_entries()
 
+    @rd.method
+    def state(self) -> dict[str, torch.Tensor]:
+        """A model's state_dict(): new tensor objects over the parameters' memory."""
+        if not hasattr(self, "model"):
+            self.model = torch.nn.Linear(256, 256)  # 256 KiB: never inline
+        return self.model.state_dict()
+
+    @rd.method
+    def weight_view(self) -> torch.Tensor:
+        """A view of part of a parameter's memory."""
+        self.state()
+        return self.model.weight.detach()[128:]
+
+    def wait_weight_freed(self, timeout: float) -> str:
+        try:
+            rd.wait_tensor_freed(self.model.weight, timeout=timeout)
+            return "freed"
+        except TimeoutError as exc:
+            return f"timeout: {exc}"
+
     def is_kept(self, key: str, value: Any) -> bool:
         """Passing a ref back to its producer must give the very same tensor."""
         return value is self.kept[key]

@@ -186,6 +186,18 @@ def test_wait_tensor_freed(pair):
     assert ray.get(p.wait_freed.remote("wtf", 30)) == "freed"
 
 
+@pytest.mark.parametrize("method", ["state", "weight_view"])
+def test_wait_tensor_freed_knows_the_memory_not_the_tensor_object(pair, method):
+    """state_dict() makes new tensor objects each call, and a view is another
+    object: waiting on the parameter must still wait while they are held."""
+    p, _ = pair
+    ref = getattr(p, method).remote()
+    ray.wait([ref])
+    assert ray.get(p.wait_weight_freed.remote(0.2)).startswith("timeout: tensor still held")
+    del ref
+    assert ray.get(p.wait_weight_freed.remote(30)) == "freed"
+
+
 def test_in_place_write_after_return_warns_when_sent(pair):
     p, c = pair
     ray.get(p.record_warnings.remote())

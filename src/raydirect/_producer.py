@@ -32,7 +32,7 @@ from raydirect._payload import PREPARING, InlineValue, Payload, ProducerInfo, Sp
 from raydirect._ranges import ByteViews
 from raydirect._server import CONTROL, DATA, Reply
 from raydirect._store import StoredObject, store
-from raydirect._tensors import TensorMetas, flat_bytes, version_counters
+from raydirect._tensors import TensorMetas, flat_bytes, storage_keys, version_counters
 from raydirect.errors import TransferError
 from raydirect.transports import nixl
 from raydirect.transports.base import ByteTransport, CommunicatorMetadata, metadata_classes
@@ -247,6 +247,7 @@ def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
         versions=parts.versions
         if parts.versions is not None
         else version_counters(parts.tensors),
+        storages=storage_keys(parts.tensors),
         label=label,
         transport=transport,
         nbytes=parts.metas.total_bytes(),

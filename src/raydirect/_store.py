@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from raydirect._ranges import ByteViews
-from raydirect._tensors import UNTRACKED, TensorMetas
+from raydirect._tensors import UNTRACKED, TensorMetas, storage_key
 
 log = logging.getLogger("raydirect")
 
@@ -61,6 +61,7 @@ class StoredObject:
     buffers: ByteViews  # flat uint8 bytes to send, one per tensor (made on first use)
     metas: TensorMetas
     versions: list[int]  # tensors' version counters when exported
+    storages: list[int]  # the memory each tensor lies in (``storage_keys``)
     label: str
     transport: str
     nbytes: int
@@ -96,7 +97,8 @@ class Store:
     def __init__(self) -> None:
         self._objects: dict[bytes, StoredObject] = {}
         self._lock = threading.Condition()
-        self._holders: Counter[int] = Counter()  # id(tensor) -> objects holding it
+        # storage key -> objects holding tensors in that memory (``storage_keys``)
+        self._holders: Counter[int] = Counter()
         self._nbytes = 0
         self._held: Counter[str] = Counter()
         self._held_bytes: Counter[str] = Counter()
@@ -137,7 +139,7 @@ class Store:
             self._nbytes += obj.nbytes
             self._held[obj.transport] += 1
             self._held_bytes[obj.transport] += obj.nbytes
-            self._holders.update(map(id, obj.originals))
+            self._holders.update(k for k in obj.storages if k)
         self._used()
 
     def get(self, obj_id: bytes) -> StoredObject | None:
@@ -181,7 +183,7 @@ class Store:
             except Exception:
                 log.exception("raydirect: releasing object %s failed", obj_id.hex()[:8])
         with self._lock:
-            keys = list(map(id, obj.originals))
+            keys = [k for k in obj.storages if k]
             self._holders.subtract(keys)
             for key in [k for k in keys if self._holders[k] <= 0]:
                 self._holders.pop(key, None)
@@ -195,18 +197,21 @@ class Store:
             self.free(obj_id)
 
     def holds(self, tensor: Any) -> bool:
-        """Does a live object hold ``tensor``?"""
+        """Does a live object hold ``tensor``'s memory (it, a view of it, or
+        another tensor of the same storage)?"""
+        key = storage_key(tensor)
         with self._lock:
-            return self._holders.get(id(tensor), 0) > 0
+            return bool(key) and self._holders.get(key, 0) > 0
 
     def wait_any_freed(self, tensors: list[Any], timeout: float | None) -> int:
-        """The index of one of ``tensors`` that no live object holds, waiting for
-        one up to ``timeout`` seconds (``TimeoutError`` past it)."""
+        """The index of one of ``tensors`` whose memory no live object holds,
+        waiting for one up to ``timeout`` seconds (``TimeoutError`` past it)."""
+        keys = [storage_key(t) for t in tensors]
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
             while True:
-                for i, tensor in enumerate(tensors):
-                    if self._holders.get(id(tensor), 0) <= 0:
+                for i, key in enumerate(keys):
+                    if self._holders.get(key, 0) <= 0:
                         return i
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -214,16 +219,18 @@ class Store:
                 self._lock.wait(remaining)
 
     def wait_tensor_freed(self, tensor: Any, timeout: float | None) -> None:
+        key = storage_key(tensor)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._lock:
-            while self._holders.get(id(tensor), 0) > 0:
+            while key and self._holders.get(key, 0) > 0:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     raise TimeoutError(
-                        f"tensor still held by {self._holders[id(tensor)]} raydirect object(s) "
-                        f"after {timeout}s: a ref to an object containing it is still alive "
-                        "somewhere (in a consumer, a pending task, or a variable). Drop those "
-                        "refs, or copy the tensor instead of writing it in place."
+                        f"tensor still held by {self._holders[key]} raydirect object(s) "
+                        f"after {timeout}s: a ref to an object containing it (or a view of "
+                        "its memory) is still alive somewhere (in a consumer, a pending task, "
+                        "or a variable). Drop those refs, or copy the tensor instead of "
+                        "writing it in place."
                     )
                 self._lock.wait(remaining)
 

@@ -275,6 +275,19 @@ def describe(obj: Any, tensor: torch.Tensor) -> TensorMeta:
     )
 
 
+def storage_keys(tensors: Sequence[torch.Tensor]) -> list[int]:
+    """What identifies the memory each tensor lies in: its storage's address (0
+    for storage without bytes, which nothing can read). A view, or a
+    ``state_dict()`` entry of a parameter, has the key of the memory it shares."""
+    return [t.untyped_storage().data_ptr() for t in tensors]
+
+
+def storage_key(obj: Any) -> int:
+    """``storage_keys`` of one tensor, numpy array or JAX array (0: none)."""
+    tensor = as_tensor(obj)
+    return 0 if tensor is None else tensor.untyped_storage().data_ptr()
+
+
 UNTRACKED = -1
 """The version ``version_counters`` gives an inference tensor: it has no counter."""
 
