@@ -632,6 +632,11 @@ class Inference:
     def version(self) -> int | None:
         return self.sub.version
 
+    def swap_storage(self) -> None:
+        """New memory under the same tensor objects (``param.data = ...``)."""
+        for tensor in self.weights.values():
+            tensor.data = torch.zeros_like(tensor)
+
     def state(self) -> dict[str, torch.Tensor]:
         return {k: v.clone() for k, v in self.weights.items()}
 

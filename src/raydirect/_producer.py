@@ -244,9 +244,7 @@ def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
         originals=parts.originals,
         buffers=_byte_views(parts),
         metas=parts.metas,
-        versions=parts.versions
-        if parts.versions is not None
-        else version_counters(parts.tensors),
+        versions=parts.versions if parts.versions is not None else version_counters(parts.tensors),
         storages=storage_keys(parts.tensors),
         label=label,
         transport=transport,

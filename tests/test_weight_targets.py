@@ -1,0 +1,118 @@
+"""A subscriber writes where the target's weights are now, or refuses: never into
+memory the model no longer uses, never reporting a version it did not write."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import ray
+import torch
+
+import raydirect as rd
+
+from actors import Inference, Trainer, make_weights
+
+D = 64
+
+
+def _model() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(D, D), torch.nn.Linear(D, D))
+
+
+def _publisher(source: torch.nn.Module) -> Callable[[int], rd.WeightsHandle]:
+    """Publishes version ``v`` with every weight equal to ``v``."""
+    pub = rd.WeightPublisher(source, depth=2)
+
+    def publish(version: int) -> rd.WeightsHandle:
+        with torch.no_grad():
+            for t in source.state_dict().values():
+                t.fill_(float(version))
+        return pub.publish(version, timeout=30)
+
+    return publish
+
+
+def _all_equal(module: torch.nn.Module, value: float) -> bool:
+    return all(bool((t == value).all()) for t in module.state_dict().values())
+
+
+def _swap_data(target: torch.nn.Module) -> None:
+    target[0].weight.data = torch.zeros(D, D)
+
+
+def _offload_and_reload(target: torch.nn.Module) -> None:
+    for p in target.parameters():  # as an engine's sleep mode frees and re-allocates
+        shape = p.shape
+        p.data = torch.empty(0)
+        p.data = torch.full(shape, -1.0)
+
+
+def _assign(target: torch.nn.Module) -> None:
+    target.load_state_dict(_model().state_dict(), assign=True)
+
+
+def _new_submodule(target: torch.nn.Module) -> None:
+    target[1] = torch.nn.Linear(D, D)
+
+
+@pytest.mark.parametrize(
+    "replace", [_swap_data, _offload_and_reload, _assign, _new_submodule], ids=lambda f: f.__name__
+)
+def test_a_load_writes_the_storage_the_target_holds_now(ray_session, replace):
+    source, target = _model(), _model()
+    publish = _publisher(source)
+    sub = rd.WeightSubscriber(target)
+    assert sub.load(publish(1), timeout=30) == 1 and _all_equal(target, 1.0)
+    old = {k: t for k, t in target.state_dict().items()}
+    replace(target)
+    assert sub.load(publish(2), timeout=30) == 2
+    assert _all_equal(target, 2.0)  # the weights the model uses now
+    replaced = [k for k, t in target.state_dict().items() if t.data_ptr() != old[k].data_ptr()]
+    assert replaced and all(bool((old[k] == 1.0).all()) for k in replaced)  # old memory untouched
+
+
+def test_a_dict_entry_replaced_between_loads(ray_session):
+    source = {"w": torch.zeros(D, D), "b": torch.zeros(D)}
+    target = {"w": torch.zeros(D, D), "b": torch.zeros(D)}
+    pub = rd.WeightPublisher(source, depth=2)
+    sub = rd.WeightSubscriber(target)
+    source["w"].fill_(1.0)
+    sub.load(pub.publish(1), timeout=30)
+    old = target["w"]
+    target["w"] = torch.zeros(D, D)
+    source["w"].fill_(2.0)
+    assert sub.load(pub.publish(2), timeout=30) == 2
+    assert bool((target["w"] == 2.0).all()) and bool((old == 1.0).all())
+
+
+def test_a_target_that_no_longer_fits_is_refused_and_the_version_stays(ray_session):
+    source, target = _model(), _model()
+    publish = _publisher(source)
+    sub = rd.WeightSubscriber(target)
+    sub.load(publish(1), timeout=30)
+    target.half()  # new storage, another dtype
+    with pytest.raises(rd.WeightSyncError, match=r"'0.weight'.*float16.*nothing was written"):
+        sub.load(publish(2), timeout=30)
+    assert sub.version == 1
+    assert all(bool((t == 1.0).all()) for t in target.state_dict().values())
+
+
+def test_param_data_swapped_between_two_loads_in_an_actor(ray_session):
+    """The review's reproduction, across processes."""
+    trainer, reader = Trainer.remote(4), Inference.remote(4)
+    try:
+        assert ray.get(reader.load.remote(trainer.publish.remote(1))) == 1
+        ray.get(reader.swap_storage.remote())
+        ray.get(trainer.step.remote())
+        assert ray.get(reader.load.remote(trainer.publish.remote(2))) == 2
+        want = make_weights(4)
+        for tensor in want.values():
+            if tensor.is_floating_point():
+                tensor.add_(1.0)
+        got = ray.get(reader.state.remote())
+        assert all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        ray.kill(trainer)
+        ray.kill(reader)
