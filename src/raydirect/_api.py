@@ -31,6 +31,7 @@ from raydirect._payload import PendingFetch, get_deferred, join, split
 from raydirect._producer import export
 from raydirect._store import LocalStats, store
 from raydirect.errors import FetchTimeoutError
+from raydirect.transports.base import WriteGate
 from raydirect.transports.registry import AUTO, check_name
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -160,6 +161,18 @@ def get(
     a CUDA producer's tensors into this process's host memory, or CPU tensors
     onto a GPU, one copy.
     """
+    return _get(refs, timeout, tensor_transport, into, device, None)
+
+
+def _get(
+    refs: Any,
+    timeout: float | None,
+    tensor_transport: str | None,
+    into: Any,
+    device: Any,
+    gate: WriteGate | None,
+) -> Any:
+    """``get``; ``gate``: the caller's, closed when it gives up (``get_async``)."""
     if tensor_transport is not None:
         check_name(tensor_transport)
     if into is not None and device is not None:
@@ -178,7 +191,7 @@ def get(
         for i in pending:
             check_device_fits(values[i].payload.metas, dev)
     fetched = _fetch_all(
-        {i: values[i] for i in pending}, targets, deadline, timeout, tensor_transport, dev
+        {i: values[i] for i in pending}, targets, deadline, timeout, tensor_transport, dev, gate
     )
     for i, value in enumerate(values):
         values[i] = fetched[i] if i in fetched else _moved(value, dev)
@@ -222,28 +235,35 @@ def _fetch_all(
     timeout: float | None,
     forced: str | None,
     device: torch.device | None,
+    gate: WriteGate | None,
 ) -> dict[int, Any]:
-    """Every pending fetch at once, bounded by one deadline; the first failure wins."""
-    if len(pending) == 1:
+    """Every pending fetch at once, bounded by one deadline; the first failure
+    wins. Before a failure is raised, the call's gate closes: no fetch of this
+    call writes the caller's tensors (or a receive buffer) once it has raised."""
+    if len(pending) == 1 and gate is None:  # on this thread: ended when this ends
         [(i, value)] = pending.items()
         try:
             return {i: fetch_value(value.payload, deadline, forced, targets.get(i), device)}
         except TimeoutError as exc:
             raise _timeout_error(timeout, 1, [value]) from exc
+    gate = gate or WriteGate()
     futures = {
-        i: _fetch_pool().submit(fetch_value, v.payload, deadline, forced, targets.get(i), device)
+        i: _fetch_pool().submit(
+            fetch_value, v.payload, deadline, forced, targets.get(i), device, gate
+        )
         for i, v in pending.items()
     }
     remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
     done, not_done = wait_futures(futures.values(), timeout=remaining, return_when=FIRST_EXCEPTION)
-    for fut in done:  # the first failure wins, as in ray.get
-        error = fut.exception()
+    errors = [f.exception() for f in futures.values() if f in done]
+    if not not_done and not any(errors):
+        return {i: fut.result() for i, fut in futures.items()}
+    gate.close()  # the others stop at their next piece; none writes from now on
+    for error in errors:  # the first failure wins, as in ray.get
         if error is not None and not isinstance(error, TimeoutError):
             raise error
     late = [pending[i] for i, f in futures.items() if f in not_done or f.exception()]
-    if late:
-        raise _timeout_error(timeout, len(late), late)
-    return {i: fut.result() for i, fut in futures.items()}
+    raise _timeout_error(timeout, len(late), late)
 
 
 def _per_ref(into: Any, single: bool, count: int) -> list[Any]:
@@ -271,10 +291,15 @@ async def get_async(
     worker thread, so the event loop (and every other coroutine of an async
     actor) keeps running during a large transfer. Same arguments as ``rd.get``."""
     loop = asyncio.get_running_loop()
-    call = functools.partial(
-        get, refs, timeout=timeout, tensor_transport=tensor_transport, into=into, device=device
-    )
-    return await loop.run_in_executor(_async_pool(), call)
+    gate = WriteGate()
+    call = functools.partial(_get, refs, timeout, tensor_transport, into, device, gate)
+    try:
+        return await loop.run_in_executor(_async_pool(), call)
+    except asyncio.CancelledError:
+        # The awaiting task gave up (a timeout around it, say): its fetches stop,
+        # and nothing of them writes ``into`` once this has raised.
+        await loop.run_in_executor(None, gate.close)
+        raise
 
 
 def set_target(ref: ray.ObjectRef, into: Any = None, *, device: Any = None) -> None:

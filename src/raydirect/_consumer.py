@@ -21,6 +21,7 @@ back to ``tcp``, logged once per process.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -60,7 +61,7 @@ from raydirect.errors import (
     TransportUnavailableError,
 )
 from raydirect.transports import nixl
-from raydirect.transports.base import ByteTransport, PeerMetadata, metadata_classes
+from raydirect.transports.base import ByteTransport, PeerMetadata, WriteGate, metadata_classes
 from raydirect.transports.registry import AUTO, check_name, transport_class, transport_instance
 from raydirect.transports.shm import sweep_dead_segments
 
@@ -207,25 +208,28 @@ def fetch_tensors(
     forced: str | None = None,
     into: dict[int, Any] | None = None,
     device: torch.device | None = None,
+    gate: WriteGate | None = None,
 ) -> list[Any]:
     """The tensors of ``payload`` in this process (copies, or the originals when
     this process produced them); tensor ``i`` lands in ``into[i]`` where given
     (targets already checked by ``_into.match``), the others on ``device`` where
-    given (checked by ``_into.target_device``)."""
+    given (checked by ``_into.target_device``). Bytes are written only while
+    ``gate`` (the calling ``rd.get``'s, when it reads several refs) is open."""
     into = into or {}
     metas = payload.metas
     if payload.producer.process_token == _process.PROCESS_TOKEN:
         obj = _own_object(payload)
         store.count_received("local", obj.nbytes)
-        return on_device(_fill(list(obj.originals), into), metas, device)
+        return on_device(_fill(list(obj.originals), into, gate), metas, device)
     name = choose_transport(payload, forced)
     if not transport_class(name).byte_transport:
-        return on_device(_fill(_receive_plugin(name, payload, deadline), into), metas, device)
+        received = _receive_plugin(name, payload, deadline)
+        return on_device(_fill(received, into, gate), metas, device)
     received = _with_fallback(
         payload,
         forced,
         name,
-        lambda n: _receive_bytes(n, payload, deadline, forced, _on(n, payload, into, device)),
+        lambda n: _receive_bytes(n, payload, deadline, forced, _on(n, payload, into, device), gate),
     )
     return on_device(received, metas, device)
 
@@ -245,23 +249,34 @@ def _on(
 
 
 def fetch_ranges(
-    payload: Payload, ranges: Ranges, deadline: float | None = None, forced: str | None = None
+    payload: Payload,
+    ranges: Ranges,
+    deadline: float | None = None,
+    forced: str | None = None,
+    gate: WriteGate | None = None,
 ) -> None:
     """Read just ``ranges`` of ``payload``'s tensors into ``ranges.dests``. Byte
     transports that are ``ranged`` move only those bytes; the others (and
-    plug-ins) read whole tensors here, then the ranges are copied out."""
+    plug-ins) read whole tensors here, then the ranges are copied out. Bytes
+    are written only while ``gate`` is open."""
     if payload.producer.process_token == _process.PROCESS_TOKEN:
-        _copy_ranges(_own_object(payload).buffers, ranges)
+        with _writing(gate):
+            _copy_ranges(_own_object(payload).buffers, ranges)
         store.count_received("local", ranges.nbytes)
         return
     name = choose_transport(payload, forced)
     if not transport_class(name).byte_transport:
         received = _receive_plugin(name, payload, deadline)
-        _copy_ranges([flat_bytes(as_tensor(t)) for t in received], ranges)  # type: ignore[arg-type]
+        with _writing(gate):
+            _copy_ranges([flat_bytes(as_tensor(t)) for t in received], ranges)  # type: ignore[arg-type]
         return
     _with_fallback(
-        payload, forced, name, lambda n: _read_bytes(n, payload, deadline, forced, ranges)
+        payload, forced, name, lambda n: _read_bytes(n, payload, deadline, forced, ranges, gate)
     )
+
+
+def _writing(gate: WriteGate | None) -> contextlib.AbstractContextManager[None]:
+    return contextlib.nullcontext() if gate is None else gate.writing()
 
 
 def _own_object(payload: Payload) -> StoredObject:
@@ -294,6 +309,7 @@ def _receive_bytes(
     deadline: float | None,
     forced: str | None,
     into: dict[int, Any],
+    gate: WriteGate | None,
 ) -> list[Any]:
     metas = payload.metas
     with collector_paused():  # thousands of slots laid out: no collection midway
@@ -306,7 +322,7 @@ def _receive_bytes(
         device = _allocatable(_arena_device(name, payload), name) if missing else "cpu"
         arena = allocate_bytes(total, device) if missing else None
         slots = _slots(metas, missing, offsets, arena, into)
-    _read_bytes(name, payload, deadline, forced, Ranges.of_whole(slots))
+    _read_bytes(name, payload, deadline, forced, Ranges.of_whole(slots), gate)
     if arena is None:
         return list(map(into.__getitem__, range(len(metas))))
     with collector_paused():
@@ -355,16 +371,23 @@ def _slots(
 
 
 def _read_bytes(
-    name: str, payload: Payload, deadline: float | None, forced: str | None, ranges: Ranges
+    name: str,
+    payload: Payload,
+    deadline: float | None,
+    forced: str | None,
+    ranges: Ranges,
+    gate: WriteGate | None = None,
 ) -> None:
-    """Read ``ranges`` over byte transport ``name``; under ``auto``, a producer
-    whose memory the kernel refuses to cross-read is read over ``shm``."""
+    """Read ``ranges`` over byte transport ``name``, while ``gate`` is open; under
+    ``auto``, a producer whose memory the kernel refuses to cross-read is read
+    over ``shm``."""
     producer = payload.producer
     same_node = producer.node_id == _ray.node_id()
-    comm = PeerMetadata(producer, payload.capability, deadline, same_node)
+    comm = PeerMetadata(producer, payload.capability, deadline, same_node, gate)
     try:
         try:
-            _read(name, payload, comm, ranges)
+            with _writing(gate):
+                _read(name, payload, comm, ranges)
         except TransportUnavailableError:
             if name != _SAME_NODE or (forced or payload.transport) != AUTO:
                 raise
@@ -373,7 +396,8 @@ def _read_bytes(
                 "raydirect: cross-memory reads refused; using %r on this node", _SAME_NODE_FALLBACK
             )
             name = _SAME_NODE_FALLBACK
-            _read(name, payload, comm, ranges)
+            with _writing(gate):
+                _read(name, payload, comm, ranges)
     except ProducerLostError:
         if same_node:
             sweep_dead_segments(producer.pid)
@@ -381,10 +405,14 @@ def _read_bytes(
     store.count_received(name, ranges.nbytes)
 
 
-def _fill(tensors: list[Any], into: dict[int, Any]) -> list[Any]:
-    """Tensors that arrived elsewhere (the producer's own, a plug-in's), copied into targets."""
-    for i, target in into.items():
-        tensors[i] = copy_into(target, tensors[i])
+def _fill(tensors: list[Any], into: dict[int, Any], gate: WriteGate | None) -> list[Any]:
+    """Tensors that arrived elsewhere (the producer's own, a plug-in's), copied
+    into targets while ``gate`` is open."""
+    if not into:
+        return tensors
+    with _writing(gate):
+        for i, target in into.items():
+            tensors[i] = copy_into(target, tensors[i])
     return tensors
 
 
@@ -452,17 +480,19 @@ def fetch_value(
     forced: str | None = None,
     targets: dict[int, Any] | None = None,
     device: torch.device | None = None,
+    gate: WriteGate | None = None,
 ) -> Any:
     """The value ``payload`` stands for, rebuilt in this process; into
     ``targets`` (from ``_into.match``) or onto ``device`` where given, else as an
-    ``rd.set_target`` hint says (targets, or a device)."""
+    ``rd.set_target`` hint says (targets, or a device); bytes written only while
+    ``gate`` is open."""
     hint = take_hint(payload.obj_id)
     if targets is None and device is None and hint is not None:
         if isinstance(hint, torch.device):
             device = hint
         else:
             targets = match(payload, hint)
-    tensors = fetch_tensors(payload, deadline, forced, targets, device)
+    tensors = fetch_tensors(payload, deadline, forced, targets, device, gate)
     with collector_paused():
         return join(payload.skeleton, tensors, payload.handles)
 

@@ -39,9 +39,12 @@ Call diagram for a one-sided transport::
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -77,6 +80,46 @@ class CommunicatorMetadata:
     transport needs (made by ``get_communicator_metadata`` in the consumer)."""
 
 
+class WriteGate:
+    """One call's hold on the memory its reads write (``rd.get`` of several refs,
+    a sharded weight load): every read writes only while it holds the gate
+    (``writing``), and notices between pieces when the gate has closed
+    (``PeerMetadata.check_deadline``). ``close`` shuts the gate and waits until
+    no read is writing, so once the call has returned or raised, none of its
+    reads writes the caller's tensors (or a receive buffer) any more."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._writers = 0
+        self.closed = False
+
+    @contextmanager
+    def writing(self) -> Iterator[None]:
+        """Hold the gate while writing; ``TimeoutError`` if it has closed."""
+        with self._cond:
+            if self.closed:
+                raise TimeoutError(CALLED_OFF)
+            self._writers += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writers -= 1
+                self._cond.notify_all()
+
+    def close(self) -> None:
+        """No read starts writing from now on; returns once none is writing. A
+        writer stops at its next piece (at most a few ms), or, where its
+        transport cannot stop midway (a posted collective receive), at its end
+        or its deadline."""
+        with self._cond:
+            self.closed = True
+            self._cond.wait_for(lambda: self._writers == 0)
+
+
+CALLED_OFF = "the read was called off: another read of the same call failed or timed out"
+
+
 @dataclass
 class PeerMetadata(CommunicatorMetadata):
     """What byte transports get: the producer's address and the object's
@@ -86,6 +129,7 @@ class PeerMetadata(CommunicatorMetadata):
     capability: bytes
     deadline: float | None = None  # time.monotonic() by which the transfer must finish
     same_node: bool = False  # the producer runs on this node: its pid can be checked
+    gate: WriteGate | None = None  # the call's gate: closed, the transfer stops
 
     @property
     def who(self) -> str:
@@ -103,10 +147,15 @@ class PeerMetadata(CommunicatorMetadata):
             raise ProducerLostError.of(self.who, what)
 
     def remaining(self) -> float | None:
+        if self.gate is not None and self.gate.closed:
+            return 0.0
         return None if self.deadline is None else self.deadline - time.monotonic()
 
     def check_deadline(self) -> None:
-        """Raise TimeoutError once the deadline has passed (call between chunks)."""
+        """Raise TimeoutError once the deadline has passed or the call's gate has
+        closed (call between chunks)."""
+        if self.gate is not None and self.gate.closed:
+            raise TimeoutError(CALLED_OFF)
         if self.deadline is not None and time.monotonic() >= self.deadline:
             raise TimeoutError("transfer deadline passed")
 
@@ -349,7 +398,8 @@ class ByteTransport(TensorTransportManager):
         self, ch: Channel, obj_id: bytes, comm_meta: PeerMetadata, **extra: Any
     ) -> tuple[dict[str, Any], list[Any]]:
         """Ask the producer's agent to ``serve`` the object over this transport;
-        returns its first reply (header and any inline frames)."""
+        returns its first reply (header and any inline frames). Waits in slices,
+        so a closed gate ends the wait (``TimeoutError``) within one."""
         if comm_meta.same_node:  # let the channel notice the producer's death by pid at once
             ch.producer_alive = comm_meta.producer_alive
         ch.send(
@@ -361,4 +411,15 @@ class ByteTransport(TensorTransportManager):
                 **extra,
             }
         )
-        return ch.recv_reply(comm_meta.deadline, comm_meta.who)
+        if comm_meta.gate is None:
+            return ch.recv_reply(comm_meta.deadline, comm_meta.who)
+        while True:
+            comm_meta.check_deadline()
+            until = time.monotonic() + _GATE_SLICE_S
+            if comm_meta.deadline is not None:
+                until = min(until, comm_meta.deadline)
+            with contextlib.suppress(TimeoutError):
+                return ch.recv_reply(until, comm_meta.who)
+
+
+_GATE_SLICE_S = 0.1  # how often a wait for the producer's answer looks at the gate

@@ -120,6 +120,7 @@ class TcpTransport(ByteTransport):
                 raise TransferError(f"corrupt reply from {who}: chunk size {chunk!r}")
             for dest in ranges.dests:
                 for piece in chunks(byte_view(dest), chunk):
+                    link.check_deadline()  # a closed gate too
                     ch.recv_into(piece, link.deadline, who)
 
 
@@ -132,14 +133,13 @@ def _receive_streams(
         ticket = bytes.fromhex(offer["ticket"])
     except (KeyError, TypeError, ValueError) as exc:
         raise TransferError(f"corrupt reply from {who}: bad stream offer {offer!r}") from exc
+
+    def watch() -> None:  # on this thread, between pieces: the producer, and the gate
+        ch.check_peer(who)
+        link.check_deadline()
+
     try:
-        _stream_client.receive(
-            address,
-            ticket,
-            [byte_view(d) for d in dests],
-            link.deadline,
-            lambda: ch.check_peer(who),
-        )
+        _stream_client.receive(address, ticket, [byte_view(d) for d in dests], link.deadline, watch)
     except TimeoutError:
         raise
     except OSError as exc:

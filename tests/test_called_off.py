@@ -1,0 +1,80 @@
+"""When ``rd.get`` of several refs raises, none of its fetches writes the caller's
+tensors any more, and the fetch pool is free for the next call."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import threading
+
+import pytest
+import ray
+import torch
+
+import raydirect as rd
+from raydirect import _api
+
+from actors import Producer
+from helpers import wait_for
+
+BIG = 512 << 20
+
+
+def _dead_producers_ref() -> ray.ObjectRef:
+    """A ref whose value the driver holds but whose producer is gone: its fetch
+    fails at once, while the other fetches of the call are under way."""
+    p = Producer.remote()
+    ref = p.keep.remote("lost", 100_000)  # 400 KB: a direct object
+    ray.wait([ref])
+    pid = ray.get(p.pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30, what="the producer to exit")
+    return ref
+
+
+def _pool_idle(timeout: float = 60.0) -> None:
+    """Every thread of the fetch pool free at once (a barrier they all must reach)."""
+    pool = _api._fetch_pool()
+    barrier = threading.Barrier(_api._FETCH_THREADS)
+    futures = [pool.submit(barrier.wait, timeout) for _ in range(_api._FETCH_THREADS)]
+    for future in futures:
+        future.result(timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def big_producer(ray_session):
+    p = Producer.remote()
+    yield p
+    ray.kill(p)
+
+
+@pytest.mark.parametrize("transport", ["cma", "shm", "tcp"])
+def test_a_failed_get_leaves_no_fetch_writing_the_callers_tensors(big_producer, transport):
+    """The review's reproduction: rd.get([failing_ref, big_ref], into=[None, target])."""
+    failing = _dead_producers_ref()
+    big = big_producer.big.remote(BIG, 3)
+    ray.wait([big])
+    target = torch.zeros(BIG, dtype=torch.uint8)
+    with pytest.raises(rd.ProducerLostError):
+        rd.get([failing, big], into=[None, target], tensor_transport=transport, timeout=60)
+    target.zero_()  # from here on the memory is the caller's again
+    _pool_idle()  # whatever fetch was still running has ended by now
+    assert int(target.count_nonzero()) == 0, "a fetch went on writing after rd.get raised"
+    got = rd.get(big, timeout=60)  # the pool serves the next call
+    assert got.numel() == BIG and int(got[1]) == 3
+
+
+def test_a_cancelled_get_async_stops_writing(big_producer):
+    refs = [big_producer.big.remote(BIG, 7)]
+    ray.wait(refs)
+    target = torch.zeros(BIG, dtype=torch.uint8)
+
+    async def cancelled() -> None:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(rd.get_async(refs, into=[target], tensor_transport="tcp"), 0.05)
+
+    asyncio.run(cancelled())
+    target.zero_()
+    _pool_idle()
+    assert int(target.count_nonzero()) == 0
