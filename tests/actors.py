@@ -150,6 +150,16 @@ class Producer:
             self.kept["same"] = torch.arange(10, dtype=torch.float32)
         return self.kept["same"]
 
+    def requests_waiting(self) -> int:
+        """Requests this process's agent has queued or is serving, and those
+        waiting for a preparation to end (a callback on its future each)."""
+        from raydirect import _runtime
+        from raydirect._store import store
+
+        futures = [f for o in list(store._objects.values()) for f in o.preparing.values()]
+        waiting = sum(len(f._done_callbacks) - 1 for f in futures if not f.done())  # type: ignore[attr-defined]
+        return _runtime.agent().admission.in_flight() + waiting
+
     def inline_entries(self) -> int:
         from raydirect import _payload
 

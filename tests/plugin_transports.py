@@ -195,3 +195,40 @@ class GlooPlugin(rd.TensorTransportManager):
 
     def garbage_collect(self, obj_id, tensor_transport_meta, tensors):
         open(os.path.join(SHM_DIR, f"rdplug-gc-{obj_id}"), "w").close()
+
+
+class HangingTwoSided(rd.TensorTransportManager):
+    """Two-sided and unable to abort: both sides block until the test opens a
+    gate (a file), as a plug-in whose peer never shows up would."""
+
+    GATE = os.path.join(SHM_DIR, "rdplug-hang-gate")
+
+    def tensor_transport_backend(self) -> str:
+        return "hanging"
+
+    @staticmethod
+    def is_one_sided() -> bool:
+        return False
+
+    @staticmethod
+    def can_abort_transport() -> bool:
+        return False
+
+    def extract_tensor_transport_metadata(self, obj_id, tensors):
+        return rd.TensorTransportMetadata(
+            tensor_meta=[(tuple(t.shape), t.dtype) for t in tensors], tensor_device="cpu"
+        )
+
+    def _wait_gate(self) -> None:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(self.GATE) and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def send_multiple_tensors(self, tensors, tensor_transport_metadata, communicator_metadata):
+        self._wait_gate()
+
+    def recv_multiple_tensors(
+        self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None
+    ):
+        self._wait_gate()
+        return [torch.zeros(s, dtype=d) for s, d in tensor_transport_metadata.tensor_meta]

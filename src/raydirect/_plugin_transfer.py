@@ -99,6 +99,7 @@ def _two_sided(
     producer = payload.producer
     who = producer.describe()
     link = PeerMetadata(producer, payload.capability, deadline, producer.node_id == _ray.node_id())
+    _abandoned.check(name)
     with _channel.channel(producer.agent_address) as ch:
         if link.same_node:
             ch.producer_alive = link.producer_alive
@@ -108,18 +109,24 @@ def _two_sided(
                 "obj": payload.obj_id.hex(),
                 "cap": payload.capability.hex(),
                 "transport": name,
+                "timeout": link.remaining(),  # bounds the producer's wait for preparation
                 **encoded_comm(comm),
             }
         )
         ch.recv_reply(deadline, who)  # accepted: the producer sends from now on
         received: Future[list[Any]] = Future()
-        threading.Thread(
+        receiver = threading.Thread(
             target=_run_receive,
             args=(received, transport, payload, meta, comm),
             name="raydirect-recv",
             daemon=True,
-        ).start()
-        return _await(ch, received, deadline, f"the {name} transfer from {who}", who)
+        )
+        receiver.start()
+        try:
+            return _await(ch, received, deadline, f"the {name} transfer from {who}", who)
+        except BaseException:
+            _abandoned.add(name, receiver)  # aborted below where the plug-in can abort
+            raise
 
 
 def _await(
@@ -143,6 +150,43 @@ def _await(
         ch.check_peer(who)
         with contextlib.suppress(FutureTimeoutError):  # still receiving: look again
             received.exception(timeout=_SLICE_S)
+
+
+class _Abandoned:
+    """Receive threads of two-sided plug-in transfers given up on (the deadline,
+    the producer's loss, a failed send) that have not returned. A plug-in that
+    aborts ends them; one that cannot would leave a thread per attempt, so past
+    ``MAX_ABANDONED`` still running for one transport, this process starts no
+    more of its receives and says why."""
+
+    MAX_ABANDONED = 4
+
+    def __init__(self) -> None:
+        self._threads: dict[str, list[threading.Thread]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, name: str, thread: threading.Thread) -> None:
+        with self._lock:
+            self._threads.setdefault(name, []).append(thread)
+
+    def running(self, name: str) -> int:
+        with self._lock:
+            alive = [t for t in self._threads.get(name, []) if t.is_alive()]
+            self._threads[name] = alive
+            return len(alive)
+
+    def check(self, name: str) -> None:
+        stuck = self.running(name)
+        if stuck >= self.MAX_ABANDONED:
+            raise TransferError(
+                f"{stuck} receives over plug-in transport {name!r} were given up on and never "
+                "returned, so this process starts no more of them: make the plug-in's "
+                "recv_multiple_tensors return after abort_transport (and can_abort_transport "
+                "return True), or restart this process"
+            )
+
+
+_abandoned = _Abandoned()
 
 
 def _run_receive(

@@ -30,7 +30,7 @@ from raydirect._collector import collector_paused
 from raydirect._lease import leases
 from raydirect._payload import PREPARING, InlineValue, Payload, ProducerInfo, SplitValue, split
 from raydirect._ranges import ByteViews
-from raydirect._server import CONTROL, DATA, Reply
+from raydirect._server import CONTROL, DATA, PLUGIN, Reply
 from raydirect._store import StoredObject, store
 from raydirect._tensors import TensorMetas, flat_bytes, storage_keys, version_counters
 from raydirect.errors import TransferError
@@ -49,8 +49,6 @@ _AUTO_DEVICES = ("cpu", "cuda")
 # Free to extract, so every object carries them: what ``auto`` may pick in the
 # consumer without asking the producer (same-node reads, shared groups).
 _AUTO_EXTRACTED = {"cpu": ("cma", "gloo"), "cuda": ("cuda_ipc", "nccl")}
-# A consumer with no deadline waits this long for background preparation.
-_MAX_PREPARE_WAIT = 3600.0
 
 INLINE_ENV = "RAYDIRECT_INLINE_BYTES"
 DEFAULT_INLINE_BYTES = 64 << 10
@@ -347,13 +345,19 @@ def _decoded_comm(request: dict[str, Any]) -> Any:
 
 def _serve_send(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
     """A two-sided plug-in: accept, then send while the consumer receives, then
-    say how the send ended (the consumer waits for both answers)."""
+    say how the send ended (the consumer waits for both answers). In a lane of
+    its own: a plug-in that cannot abort may hold its thread for as long as its
+    send hangs, and only other plug-in sends wait behind it."""
     name = str(request.get("transport", ""))
     transport = transport_instance(name)
     if transport.byte_transport or transport.is_one_sided() or obj.transport != name:
         raise ValueError(f"the object was not made for two-sided transport {name!r}")
     comm = _decoded_comm(request)
-    meta = _wait_prepared(obj, name, request.get("timeout"))
+    try:
+        meta = _wait_prepared(obj, name, request.get("timeout"))
+    except FutureTimeoutError:
+        reply.send(_wire.refusal(_wire.TRANSFER, f"{name} still preparing at the deadline"))
+        return
     reply.send({"ok": True})
     obj.check_unmodified()
     try:
@@ -370,16 +374,18 @@ def _serve_send(obj: StoredObject, request: dict[str, Any], reply: Reply) -> Non
 
 
 def _wait_prepared(obj: StoredObject, name: str, timeout: Any) -> Any:
-    """Transport ``name``'s metadata for ``obj``, waiting for background preparation."""
+    """Transport ``name``'s metadata for ``obj``, waiting for background
+    preparation up to the consumer's ``timeout`` (None: its read has no deadline)."""
     future = obj.preparing.get(name)
     if future is None:
         return obj.transport_state.get(name)
-    wait = _MAX_PREPARE_WAIT if timeout is None else min(float(timeout), _MAX_PREPARE_WAIT)
-    return future.result(timeout=max(wait, 0.0))
+    return future.result(timeout=None if timeout is None else max(float(timeout), 0.0))
 
 
 def _serve_meta(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
-    """Metadata prepared in the background, once ready (the consumer waits for it)."""
+    """Metadata prepared in the background, sent once ready. No thread waits for
+    it: the reply goes when the preparation ends (a consumer that gave up by
+    then has closed its channel, and the reply is dropped)."""
     name = str(request.get("transport", ""))
     future = obj.preparing.get(name)
     if future is None and request.get("prepare"):
@@ -391,19 +397,18 @@ def _serve_meta(obj: StoredObject, request: dict[str, Any], reply: Reply) -> Non
     if future is None:
         reply.send(_wire.refusal(_wire.BAD_REQUEST, f"nothing prepared for {name}"))
         return
-    timeout = request.get("timeout")
-    wait = _MAX_PREPARE_WAIT if timeout is None else min(float(timeout), _MAX_PREPARE_WAIT)
+    future.add_done_callback(functools.partial(_send_meta, name, reply))
+
+
+def _send_meta(name: str, reply: Reply, future: Future[Any]) -> None:
+    """The reply to a ``meta`` request, from whichever thread ended the preparation."""
     try:
-        meta = future.result(timeout=max(wait, 0.0))
-    except FutureTimeoutError:
-        reply.send(_wire.refusal(_wire.TRANSFER, f"{name} still preparing"))
-        return
+        meta = future.result()
+        frames: list[bytes] = []
+        reply.send({"ok": True, "meta": _wire.encode_value(meta, frames)}, *frames)
     except Exception as exc:
         error = f"preparing it for {name} failed: {type(exc).__name__}: {exc}"
         reply.send(_wire.refusal(_wire.TRANSFER, error))
-        return
-    frames: list[bytes] = []
-    reply.send({"ok": True, "meta": _wire.encode_value(meta, frames)}, *frames)
 
 
 store.on_free(_release_state)
@@ -411,4 +416,4 @@ _server.register(_wire.FETCH, _serve_fetch, needs_object=True, lane=DATA)
 _server.register(_wire.META, _serve_meta, needs_object=True, lane=DATA)
 _server.register(_wire.SENT, _serve_sent, needs_object=True, lane=CONTROL)
 _server.register(_wire.ABORT, _serve_abort, needs_object=True, lane=CONTROL)
-_server.register(_wire.SEND, _serve_send, needs_object=True, lane=DATA)
+_server.register(_wire.SEND, _serve_send, needs_object=True, lane=PLUGIN)

@@ -12,12 +12,14 @@ agent runtime ``stats``. The server checks what every op needs before its
 handler runs: the cluster's auth proof, and for object ops that the object is
 held here and the request carries its capability.
 
-Handlers run on worker threads, in one of two lanes: ``DATA`` for ops that may
-take long (streaming an object, waiting for background preparation), and
-``CONTROL`` for short ones (notices, group ops, stats), so slow consumers never
-hold up the rest. Replies reach the ROUTER socket through an inproc queue
-because a ZeroMQ socket belongs to one thread. What reaches a lane at all is
-decided first, on the loop thread, without decoding (``_admission``).
+Handlers run on worker threads, in one of three lanes: ``DATA`` for ops that
+may take long (streaming an object, a collective send), ``CONTROL`` for short
+ones (notices, group ops, stats), and ``PLUGIN`` for two-sided plug-in sends,
+which a plug-in that cannot abort may hold for as long as its send hangs; so
+slow consumers and stuck plug-ins never hold up the rest. Replies reach the
+ROUTER socket through an inproc queue because a ZeroMQ socket belongs to one
+thread. What reaches a lane at all is decided first, on the loop thread,
+without decoding (``_admission``).
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ _log = RateLimitedLog()  # what peers can trigger at will is logged at a bounded
 
 DATA = "data"
 CONTROL = "control"
-_LANE_THREADS = {DATA: 4, CONTROL: 2}
+PLUGIN = "plugin"  # two-sided plug-in sends: a plug-in that cannot abort may hang in one
+_LANE_THREADS = {DATA: 4, CONTROL: 2, PLUGIN: 2}
 # Requests are small JSON; a peer sending more is not a raydirect process and
 # is disconnected by ZeroMQ before the agent buffers it.
 MAX_REQUEST_BYTES = 1 << 20

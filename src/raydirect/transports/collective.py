@@ -70,13 +70,14 @@ class CollectiveTransport(ByteTransport):
             raise GroupError(f"the producer is no longer in group {request.get('group')!r}")
         group.check_usable()
         dst, tag = int(request["dst"]), int(request["tag"])
+        timeout = _bounded(request.get("timeout"))
         reply.send({"ok": True})
         lock = group.pair_lock(dst) if self.serialize_pairs else contextlib.nullcontext()
         try:
             with lock:
                 for buf in obj.buffers:
                     if buf.numel():
-                        group.process_group.send([buf], dst, tag).wait()
+                        group.process_group.send([buf], dst, tag).wait(timeout)
                 self.synchronize()
         except Exception as exc:
             _groups.mark_broken(group, f"sending to rank {dst} failed: {exc}")
@@ -119,6 +120,7 @@ class CollectiveTransport(ByteTransport):
                 generation=group.generation,
                 dst=group.rank,
                 tag=tag,
+                timeout=link.remaining(),  # the producer's send waits no longer
             )
             try:
                 self._receive_posted(group, src, tag, targets, link)
@@ -134,9 +136,16 @@ class CollectiveTransport(ByteTransport):
         self, group: _groups.Group, src: int, tag: int, targets: Sequence[Any], link: PeerMetadata
     ) -> None:
         works = [group.process_group.recv([t], src, tag) for t in targets if t.numel()]
-        remaining = link.remaining()
-        seconds = remaining if remaining is not None else _groups.DEFAULT_TIMEOUT_S
-        timeout = datetime.timedelta(seconds=max(0.001, seconds))
+        timeout = _bounded(link.remaining())
         for work in works:
             work.wait(timeout)
         self.synchronize()
+
+
+def _bounded(seconds: Any) -> datetime.timedelta:
+    """How long one side of a transfer waits for the other: the consumer's
+    deadline where it has one, else the groups' default, never past it."""
+    bound = _groups.DEFAULT_TIMEOUT_S
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool):
+        bound = min(max(float(seconds), 0.001), bound)
+    return datetime.timedelta(seconds=bound)
