@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -343,3 +344,13 @@ def wait_tensor_freed(tensor: Any, timeout: float | None = None) -> None:
 def local_stats() -> LocalStats:
     """Objects and bytes this process holds as a producer, and transfer counters."""
     return store.stats()
+
+
+def _forget_after_fork() -> None:
+    # A forked child has none of the pools' threads: a submit would wait for ever.
+    global _pool, _async_executor, _pools_lock
+    _pool = _async_executor = None
+    _pools_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

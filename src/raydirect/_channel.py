@@ -8,6 +8,7 @@ the producer is on this node, its pid is checked while waiting too.
 
 from __future__ import annotations
 
+import os
 import secrets
 import threading
 import time
@@ -264,3 +265,13 @@ def request(address: str, header: dict[str, Any], timeout: float) -> dict[str, A
     """Send ``header`` to an agent and return its reply's header."""
     answer, _ = ask(address, header, time.monotonic() + timeout, address)
     return answer
+
+
+def _forget_after_fork() -> None:
+    # The cached sockets belong to the parent's ZeroMQ context, unusable here
+    # (pyzmq makes the child a context of its own).
+    global _channels
+    _channels = _ChannelCache()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -15,6 +15,7 @@ another process, so the collector is never held off for long.
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from types import TracebackType
 
@@ -58,3 +59,16 @@ def collector_paused() -> _Paused:
     """Hold the cyclic collector off for a ``with`` block (threads may nest and
     overlap: it is on again once the last leaves, if it was on before the first came)."""
     return _PAUSED
+
+
+def _forget_after_fork() -> None:
+    # Holders on other threads did not survive the fork: they will never leave.
+    global _lock, _holders, _disabled_here
+    _lock = threading.Lock()
+    _holders = 0
+    if _disabled_here:
+        _disabled_here = False
+        gc.enable()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -43,7 +43,7 @@ from raydirect._into import (
     take_hint,
     writable_bytes,
 )
-from raydirect._payload import PREPARING, Payload, ProducerInfo, join
+from raydirect._payload import PREPARING, Payload, ProducerInfo, check_usable_here, join
 from raydirect._ranges import ByteViews, Ranges
 from raydirect._store import StoredObject, store
 from raydirect._tensors import (
@@ -486,6 +486,7 @@ def fetch_value(
     ``targets`` (from ``_into.match``) or onto ``device`` where given, else as an
     ``rd.set_target`` hint says (targets, or a device); bytes written only while
     ``gate`` is open."""
+    check_usable_here()
     hint = take_hint(payload.obj_id)
     if targets is None and device is None and hint is not None:
         if isinstance(hint, torch.device):

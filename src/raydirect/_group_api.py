@@ -20,6 +20,7 @@ import datetime
 import hmac
 import json
 import logging
+import os
 import secrets
 import threading
 from collections.abc import Sequence
@@ -235,3 +236,11 @@ def destroy_collective_group(name_or_actors: str | Sequence[Any]) -> None:
             except Exception:  # a dead member has nothing left to leave
                 log.debug("raydirect: rank %s unreachable at destroy", member["rank"])
         _ray.delete_group_record(name)
+
+
+def _forget_after_fork() -> None:
+    global _hosted_stores, _lock
+    _hosted_stores, _lock = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

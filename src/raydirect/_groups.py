@@ -10,6 +10,7 @@ broken tells the other members through their agents (``_channel``).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -140,3 +141,12 @@ def mark_broken(group: Group, reason: str, tell_others: bool = True) -> None:
             )
         except Exception:  # the member may be the one that died
             log.debug("raydirect: could not tell rank %d", member.rank, exc_info=True)
+
+
+def _forget_after_fork() -> None:
+    # A forked child is in no group: the process groups and their rank are the parent's.
+    global _groups, _lock
+    _groups, _lock = {}, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -13,6 +13,7 @@ takes one (registering the callback costs ~2 us).
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from collections.abc import Callable
 
@@ -58,6 +59,13 @@ class LeasePool:
                     )
                     self._thread.start()
 
+    def forget_after_fork(self) -> None:
+        """Leases belong to the parent's Ray session; its refill thread is gone."""
+        self._ready.clear()
+        self._lock = threading.Lock()
+        self._thread = None
+        self._session = None
+
     def _refill(self) -> None:
         while True:
             self._wanted.wait()
@@ -72,3 +80,6 @@ class LeasePool:
 
 
 leases = LeasePool()
+
+
+os.register_at_fork(after_in_child=leases.forget_after_fork)

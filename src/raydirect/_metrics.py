@@ -143,3 +143,11 @@ def _run(stats: Callable[[], LocalStats], label: str) -> None:
 # Started by the store on this process's first object or transfer: only processes
 # that use raydirect export metrics, and only once they are connected to Ray.
 store.on_first_use(start)
+
+
+def _forget_after_fork() -> None:
+    global _thread, _lock
+    _thread, _lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -32,8 +32,9 @@ from ray import cloudpickle
 from ray.actor import ActorHandle
 
 from raydirect import _compression as compression
-from raydirect import _process
+from raydirect import _process, _ray
 from raydirect._tensors import TensorMetas, as_tensor, describe_all
+from raydirect.errors import RaydirectError
 
 # Layouts (a state dict's keys, an object's metas) kept by content per process.
 _LAYOUTS_KEPT = 8
@@ -123,9 +124,23 @@ def set_fetcher(fetch: Callable[[Payload], Any]) -> None:
     _fetcher = fetch
 
 
+def check_usable_here() -> None:
+    """``RaydirectError`` at once in a process forked from one connected to Ray
+    (where Ray, and so raydirect, cannot work: a read would hang)."""
+    parent = _ray.forked_from()
+    if parent is not None:
+        raise RaydirectError(
+            f"this process was forked from pid {parent}, which was connected to Ray: Ray and "
+            "raydirect cannot be used in a forked child. Start child processes with the "
+            "'spawn' method (multiprocessing.get_context('spawn'), or "
+            "DataLoader(multiprocessing_context='spawn')), or make the call in the parent"
+        )
+
+
 def get_deferred(refs: list[ray.ObjectRef], timeout: float | None = None) -> list[Any]:
     """``ray.get`` of ``refs`` with each direct object left as a ``PendingFetch``:
     nothing is fetched yet, so the caller can check targets and start all fetches at once."""
+    check_usable_here()
     deferred.active = True
     try:
         return ray.get(refs, timeout=timeout)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -235,3 +236,11 @@ def _mismatch(received: list[Any], metas: Sequence[Any]) -> str | None:
         if shape != tuple(meta.shape) or not dtype_ok:
             return f"tensor {i} of shape {shape} and dtype {getattr(got, 'dtype', '?')}"
     return None
+
+
+def _forget_after_fork() -> None:
+    global _abandoned
+    _abandoned = _Abandoned()  # the parent's receive threads are not ours
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

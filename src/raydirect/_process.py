@@ -38,6 +38,18 @@ START_TIME = start_time_of(PID)
 PROCESS_TOKEN = secrets.token_bytes(16)
 
 
+def _new_identity() -> None:
+    """A forked child is another process: its Payloads, segments and status key
+    must not pass for its parent's."""
+    global PID, START_TIME, PROCESS_TOKEN
+    PID = os.getpid()
+    START_TIME = start_time_of(PID)
+    PROCESS_TOKEN = secrets.token_bytes(16)
+
+
+os.register_at_fork(after_in_child=_new_identity)
+
+
 def allow_memory_reads() -> None:
     """Let same-user processes read our memory with process_vm_readv (the cma
     transport) where Yama restricts ptrace. EINVAL where Yama is absent: nothing to do."""

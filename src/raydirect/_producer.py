@@ -28,7 +28,15 @@ import torch
 from raydirect import _groups, _process, _ray, _runtime, _server, _wire
 from raydirect._collector import collector_paused
 from raydirect._lease import leases
-from raydirect._payload import PREPARING, InlineValue, Payload, ProducerInfo, SplitValue, split
+from raydirect._payload import (
+    PREPARING,
+    InlineValue,
+    Payload,
+    ProducerInfo,
+    SplitValue,
+    check_usable_here,
+    split,
+)
 from raydirect._ranges import ByteViews
 from raydirect._server import CONTROL, DATA, PLUGIN, Reply
 from raydirect._store import StoredObject, store
@@ -181,6 +189,7 @@ def export(value: Any, transport: str, label: str | None = None, inline: bool = 
     """Keep ``value``'s tensors in this process and return the Payload standing
     for it; a value without tensors is returned unchanged, a small one under
     ``auto`` travels inline (unless ``inline`` is False)."""
+    check_usable_here()
     with collector_paused():  # thousands of tensors described: no collection midway
         return _export(value, transport, label, inline)
 
@@ -417,3 +426,14 @@ _server.register(_wire.META, _serve_meta, needs_object=True, lane=DATA)
 _server.register(_wire.SENT, _serve_sent, needs_object=True, lane=CONTROL)
 _server.register(_wire.ABORT, _serve_abort, needs_object=True, lane=CONTROL)
 _server.register(_wire.SEND, _serve_send, needs_object=True, lane=PLUGIN)
+
+
+def _forget_after_fork() -> None:
+    # The preparation thread did not survive the fork; the parent's objects are
+    # the parent's (the store forgets them, unfreed).
+    global _session, _preparation_pool, _pool_lock
+    _session, _preparation_pool = None, None
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -226,3 +226,28 @@ def cluster_auth_token() -> bytes | None:
 def tls_enabled() -> bool:
     """Is Ray's gRPC TLS configured for this process (RAY_USE_TLS)?"""
     return os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true")
+
+
+# A process forked from one connected to Ray inherits the connection's state
+# but not its threads: Ray cannot be used there, and a read would hang.
+_connected_at_fork = False
+_forked_from: int | None = None
+
+
+def _note_connection() -> None:
+    global _connected_at_fork
+    _connected_at_fork = ray.is_initialized()
+
+
+def _in_forked_child() -> None:
+    global _forked_from
+    if _connected_at_fork:
+        _forked_from = os.getppid()
+
+
+os.register_at_fork(before=_note_connection, after_in_child=_in_forked_child)
+
+
+def forked_from() -> int | None:
+    """The parent's pid when this process was forked from one connected to Ray, else None."""
+    return _forked_from

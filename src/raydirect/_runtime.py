@@ -82,9 +82,14 @@ def _announce(server: Server, label: str | None) -> None:
     }
     try:
         _ray.publish_agent(key, json.dumps(info).encode())
-        atexit.register(_ray.withdraw_agent, key)
+        atexit.register(_withdraw, key, _process.PID)
     except Exception:  # status is a convenience: never fail a transfer for it
         log.debug("raydirect: could not publish the agent", exc_info=True)
+
+
+def _withdraw(key: str, pid: int) -> None:
+    if pid == os.getpid():  # a forked child exits without withdrawing its parent
+        _ray.withdraw_agent(key)
 
 
 def _serve_stats(request: dict[str, Any], reply: Reply) -> None:
@@ -93,3 +98,12 @@ def _serve_stats(request: dict[str, Any], reply: Reply) -> None:
 
 
 _server.register(_wire.STATS, _serve_stats, needs_object=False, lane=CONTROL)
+
+
+def _forget_after_fork() -> None:
+    # The agent's threads did not survive the fork; its sockets are the parent's.
+    global _agent, _agent_lock
+    _agent, _agent_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -14,6 +14,7 @@ the first object or transfer (``on_first_use``).
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
@@ -110,6 +111,21 @@ class Store:
         self._reaper: threading.Thread | None = None
         self._free_hooks: list[Callable[[StoredObject], None]] = []
         self._first_use_hooks: list[Callable[[], bool]] = []
+
+    def forget_after_fork(self) -> None:
+        """In a forked child: the parent's objects are the parent's (their leases,
+        segments and registrations too), so they are dropped unfreed; counters
+        start again; the reaper thread did not survive."""
+        self._objects.clear()
+        self._lock = threading.Condition()
+        self._holders.clear()
+        self._nbytes = 0
+        for counter in (self._held, self._held_bytes, self._sent, self._sent_bytes):
+            counter.clear()
+        self._received.clear()
+        self._received_bytes.clear()
+        self._free_queue = queue.SimpleQueue()
+        self._reaper = None
 
     def on_free(self, hook: Callable[[StoredObject], None]) -> None:
         """Call ``hook(obj)`` when ``obj`` is freed, before ``wait_tensor_freed``
@@ -262,3 +278,6 @@ class Store:
 
 
 store = Store()
+
+
+os.register_at_fork(after_in_child=store.forget_after_fork)

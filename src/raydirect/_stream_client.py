@@ -340,3 +340,14 @@ def receive(
     finally:
         transfer.close()
     transfer.raise_failure()
+
+
+def _forget_after_fork() -> None:
+    # Pooled connections are the parent's (closing them here closes only our
+    # copies of the descriptors); the window threads did not survive.
+    global _workers, _workers_lock
+    close_idle()
+    _workers, _workers_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

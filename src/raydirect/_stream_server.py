@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import secrets
 import socket
 import struct
@@ -84,6 +85,9 @@ class StreamServer:
         threading.Thread(target=self._accept_loop, name="raydirect-streams", daemon=True).start()
 
     # -- tickets
+    def close_listener(self) -> None:
+        self._listener.close()
+
     def issue(self, views: list[memoryview]) -> tuple[bytes, int]:
         """A ticket for the concatenation of ``views`` (kept alive until sent)."""
         ticket = secrets.token_bytes(16)
@@ -249,3 +253,14 @@ def start(ip: str) -> StreamServer:
 
 def running() -> StreamServer | None:
     return _server
+
+
+def _forget_after_fork() -> None:
+    # The accept thread did not survive the fork; the parent keeps listening.
+    global _server, _server_lock
+    if _server is not None:
+        _server.close_listener()  # our copy of the descriptor
+    _server, _server_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

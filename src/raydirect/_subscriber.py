@@ -28,7 +28,7 @@ import torch
 
 from raydirect._consumer import fetch_ranges
 from raydirect._into import writable_bytes
-from raydirect._payload import PendingFetch, get_deferred
+from raydirect._payload import PendingFetch, check_usable_here, get_deferred
 from raydirect._ranges import Ranges
 from raydirect._tensors import torch_dtype
 from raydirect._weights import WeightsHandle, WeightsLayout, blocked_view, state_of
@@ -158,6 +158,7 @@ class WeightSubscriber:
         that fails midway raises ``WeightSyncError`` (the cause chained): the
         target may then be partly written, and ``sub.version`` stays.
         """
+        check_usable_here()
         deadline = None if timeout is None else time.monotonic() + timeout
         if isinstance(handle, ray.ObjectRef):  # a ref to a handle (a method returned it)
             try:

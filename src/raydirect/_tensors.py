@@ -476,3 +476,10 @@ def finish(t: torch.Tensor, meta: TensorMeta) -> Any:
     if meta.requires_grad:
         t.requires_grad_(True)
     return t
+
+
+def _forget_after_fork() -> None:
+    _regions._lock = threading.Lock()  # a receive on another thread may have held it
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -298,3 +298,11 @@ class CmaTransport(ByteTransport):
         # A weight subscriber reads the same ranges of the same slots every step.
         spans = ranges.memo(("cma", packed), lambda: _Spans(*ranges.runs(_addresses(packed))))
         read_remote(link.producer.pid, spans, link)
+
+
+def _forget_after_fork() -> None:
+    global _workers, _workers_lock
+    _workers, _workers_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

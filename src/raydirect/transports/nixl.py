@@ -385,3 +385,11 @@ class NixlTransport(ByteTransport):
         if type(exc).__name__ == "nixlRemoteDisconnectError":
             return "disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
         return None
+
+
+def _forget_after_fork() -> None:
+    global _api, _api_lock
+    _api, _api_lock = None, threading.Lock()  # the NIXL agent is the parent's
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

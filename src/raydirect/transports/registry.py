@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import sys
 import threading
 from collections.abc import Sequence
@@ -246,3 +247,13 @@ def transport_instance(name: str) -> TensorTransportManager:
                 inst = transport_class(name)()
                 _instances[name] = inst
     return inst
+
+
+def _forget_after_fork() -> None:
+    # Transport instances hold the parent's state (its shared-memory segments,
+    # NIXL registrations): the child makes its own on first use.
+    global _instances, _lock
+    _instances, _lock = {}, threading.RLock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -93,6 +93,7 @@ class SegmentPool:
         self._used: dict[bytes, Segment] = {}
         self._counter = 0
         self._prefix = f"{PREFIX}{_process.PID}-{_process.START_TIME}-"
+        self._pid = _process.PID
         atexit.register(self.unlink_all)
 
     def acquire(self, obj_id: bytes, nbytes: int) -> Segment:
@@ -137,6 +138,8 @@ class SegmentPool:
             os.unlink(os.path.join(SHM_DIR, name))
 
     def unlink_all(self) -> None:
+        if self._pid != os.getpid():  # a forked child: the segments are its parent's
+            return
         for name in self.segment_names():
             self._unlink(name)
 
