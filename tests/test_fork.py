@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import select
+import signal
 import time
 
 import ray
@@ -29,6 +31,11 @@ def _in_child(work) -> dict:
         os._exit(0)
     os.close(write)
     with os.fdopen(read) as pipe:
+        ready, _, _ = select.select([pipe], [], [], 60)
+        if not ready:  # what used to happen: the child hung in its read
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            raise AssertionError("the forked child hung")
         data = pipe.read()
     os.waitpid(pid, 0)
     return json.loads(data)
