@@ -9,7 +9,6 @@ import pytest
 import ray
 from ray import cloudpickle
 
-from raydirect._producer import INLINE_ENV
 from raydirect.transports.shm import sweep_after_shutdown
 
 import actors
@@ -18,12 +17,6 @@ from plugin_transports import SHM_DIR, plugin_files
 # Workers cannot import the tests directory: ship the helper actors by value.
 cloudpickle.register_pickle_by_value(actors)
 
-# The tests exercise the direct paths with small values; ``auto`` would send
-# those inline with Ray's reply. tests/test_inline.py covers inlining itself.
-# Ray's workers (and the multi-node harness) inherit this environment.
-os.environ[INLINE_ENV] = "0"
-
-
 @pytest.fixture(scope="session")
 def ray_session():
     if not ray.is_initialized():
@@ -31,7 +24,7 @@ def ray_session():
             num_cpus=16,
             include_dashboard=False,
             logging_level="warning",
-            runtime_env={"env_vars": {"RAYDIRECT_TEST": "1", INLINE_ENV: "0"}},
+            runtime_env={"env_vars": {"RAYDIRECT_TEST": "1"}},
         )
     yield
     ray.shutdown()
@@ -55,3 +48,44 @@ def pair(ray_session):
     yield p, c
     ray.kill(p)
     ray.kill(c)
+
+
+# ---------------------------------------------------------------- root-only tests
+#
+# The flood, chaos, encryption-capture and multi-node suites need root (network
+# namespaces, packet capture). Without it they skip, and a green run would hide
+# that: the run ends with one line saying how many ran and, if not, why.
+
+ROOT_ONLY_FIXTURES = {"flooded", "chaos", "captured", "cluster", "cluster3"}
+_root_only: dict[str, str] = {}  # nodeid -> "ran" or the skip reason
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if ROOT_ONLY_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker("root_only")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "root_only: needs root (network namespaces, capture)")
+
+
+def pytest_runtest_logreport(report):
+    if "root_only" not in report.keywords:
+        return
+    if report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        _root_only[report.nodeid] = reason.removeprefix("Skipped: ")
+    elif report.when == "call":
+        _root_only[report.nodeid] = "ran"
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _root_only:
+        return
+    ran = sum(1 for v in _root_only.values() if v == "ran")
+    skipped = sorted({v for v in _root_only.values() if v != "ran"})
+    line = f"root-only tests (network namespaces, packet capture): {ran} ran"
+    if skipped:
+        line += f", {len(_root_only) - ran} skipped: {'; '.join(skipped)}"
+    terminalreporter.write_line(line, yellow=bool(skipped), green=not skipped)

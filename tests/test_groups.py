@@ -136,18 +136,20 @@ def test_destroy_then_recreate(ray_session):
 def test_failed_transfer_marks_the_group_broken_everywhere(ray_session):
     a, b = Producer.remote(), Producer.remote()
     rd.create_collective_group([a, b], backend="gloo", name="fragile")
-    # How long a request takes here, so the deadline falls inside the transfer.
     small = a.value_gloo.remote("dtypes")
     ray.get(b.get_with_rd.remote([small], 30))
-    start = time.monotonic()
-    ray.get(b.get_with_rd.remote([a.value_gloo.remote("dtypes")], 30))
-    round_trip = time.monotonic() - start
     big = a.big_gloo.remote(512 << 20)
     ray.wait([big])
-    message = ray.get(b.try_get.remote([big], max(0.05, round_trip)))
-    assert "FetchTimeoutError" in message or "GroupError" in message
-    if "GroupError" not in message:
-        pytest.skip("the deadline passed before the transfer started on this machine")
+    # A deadline that falls inside the transfer: one that passes before it starts
+    # leaves the group intact (a FetchTimeoutError), so try longer ones until one lands.
+    deadline, message = 0.01, ""
+    for _ in range(30):
+        message = ray.get(b.try_get.remote([big], deadline))
+        if "GroupError" in message:
+            break
+        assert "FetchTimeoutError" in message, message  # not read whole yet
+        deadline *= 1.3
+    assert "GroupError" in message, f"no deadline up to {deadline:.2f}s fell inside the transfer"
     # Both members now refuse, naming the group and the fix.
     later = ray.get(b.try_get.remote([small], 30))
     assert "'fragile' is broken" in later and "create it again" in later

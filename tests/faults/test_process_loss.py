@@ -43,7 +43,7 @@ from actors import Producer, check_value
 CHANNEL_FDS = 2  # what one cached consumer channel may hold (its socket, its monitor)
 BIG = 1 << 30  # 1 GiB: long enough (0.15-1 s) to freeze the consumer inside it
 STARTED = 96 << 20  # bytes landed before the fault: the transfer is under way
-ATTEMPTS = 3  # a loaded machine may finish before the freeze: try again
+ATTEMPTS = 20  # a loaded machine may finish before the freeze: try again
 TRANSPORTS = ["tcp", "cma", "shm"]
 
 
@@ -123,7 +123,7 @@ def _start_big_read(p, r, r_pid: int, transport: str, fill: int):
         assert ray.get(pending, timeout=300)["ok"]
         ray.get(r.drop.remote())
         del big
-    pytest.skip(f"the transfer outran the freeze {ATTEMPTS} times on this machine")
+    raise AssertionError(f"the transfer outran the freeze {ATTEMPTS} times: no fault landed in it")
 
 
 @pytest.mark.timeout(300)
