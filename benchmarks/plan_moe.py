@@ -198,7 +198,8 @@ def main() -> None:
     params = int((layout.tensors.global_shape.prod(1)).sum())
     print(
         f"layout: {len(layout.kind):,} tensors, {params / 1e12:.3f}T parameters, "
-        f"{len(layout.sources.tensor):,} source pieces on {EP * FSDP} ranks (built in {built:.2f} s)"
+        f"{len(layout.sources.tensor):,} source pieces on {EP * FSDP} ranks "
+        f"(built in {built:.2f} s)"
     )
 
     index_s, index = timed(

@@ -32,7 +32,8 @@ def _vec(a: object) -> np.ndarray:
 
 
 def _mat(a: object, rows: int) -> np.ndarray:
-    return np.ascontiguousarray(np.asarray(a, dtype=I64).reshape(rows, -1))
+    m = np.asarray(a, dtype=I64)
+    return np.ascontiguousarray(m if m.ndim == 2 else m.reshape(rows, -1 if rows else 0))
 
 
 class _Columns:
@@ -216,20 +217,25 @@ def row_major(shape: np.ndarray) -> np.ndarray:
     return strides
 
 
+def _lead(global_shape: np.ndarray) -> int:
+    # Leading dims of extent 1 are padding, as a rule: messages start after them.
+    real = np.flatnonzero(global_shape != 1)
+    return min(int(real[0]) if len(real) else len(global_shape), len(global_shape) - 1)
+
+
 def box_text(global_shape: np.ndarray, start: np.ndarray, shape: np.ndarray) -> str:
     """A box as slices, e.g. "[0:4, 2:8]", for messages."""
-    real = np.flatnonzero(global_shape != 1)  # leading dims of extent 1 are padding, as a rule
-    lead = min(int(real[0]) if len(real) else len(start), len(start) - 1)
-    return (
-        "["
-        + ", ".join(f"{a}:{a + b}" for a, b in zip(start[lead:], shape[lead:], strict=True))
-        + "]"
-    )
+    pairs = zip(start[_lead(global_shape) :], shape[_lead(global_shape) :], strict=True)
+    return "[" + ", ".join(f"{a}:{a + b}" for a, b in pairs) + "]"
 
 
 def outside(problems: Problems, tensors: Tensors, boxes: Sources | Targets) -> np.ndarray:
     """Which ``boxes`` name no tensor or do not lie inside its global shape; noted in
-    ``problems``, one message per tensor."""
+    ``problems``, one message per tensor. ``ValueError`` if the boxes do not have the
+    tensors' number of dims."""
+    if boxes.start.shape[1] != tensors.global_shape.shape[1]:
+        dims, ndim = boxes.start.shape[1], tensors.global_shape.shape[1]
+        raise ValueError(f"boxes of {dims} dims for tensors of {ndim}: pad both to one D")
     known = (boxes.tensor >= 0) & (boxes.tensor < len(tensors.itemsize))
     limit = tensors.global_shape[np.where(known, boxes.tensor, 0)]
     bad = ~known | (boxes.start < 0).any(1) | (boxes.shape < 0).any(1)
@@ -239,7 +245,8 @@ def outside(problems: Problems, tensors: Tensors, boxes: Sources | Targets) -> n
     counts = np.bincount(np.searchsorted(boxes.tensor[firsts], boxes.tensor[rows]))
     for i, many in zip(firsts, counts, strict=True):
         who = f"rank {boxes.rank[i]}'s box" if isinstance(boxes, Sources) else "target box"
-        where = f"its global shape {tuple(limit[i].tolist())}" if known[i] else "any tensor's"
+        shape = tuple(limit[i][_lead(limit[i]) :].tolist())
+        where = f"its global shape {shape}" if known[i] else "any tensor's"
         what = f"{who} {box_text(limit[i], boxes.start[i], boxes.shape[i])} lies outside {where}"
         also = f" ({many} such)" if many > 1 else ""
         problems.setdefault(int(boxes.tensor[i]), []).append(what + also)

@@ -358,13 +358,16 @@ def plan(index: SourceIndex, targets: Targets, worker: int = 0) -> Plan:
 def _match(index: SourceIndex, targets: Targets) -> tuple[np.ndarray, np.ndarray, Problems]:
     """(target piece, region) for every region each valid non-empty piece meets, and
     the problems that forbid planning."""
-    problems: Problems = {}
-    bad = boxes.outside(problems, index.tensors, targets)
-    touched = np.zeros(len(index.tensors.itemsize) + 1, bool)
-    touched[np.where(bad, -1, targets.tensor)] = True
-    for t, messages in index.problems.items():
-        if 0 <= t < len(touched) - 1 and touched[t]:
-            problems.setdefault(t, []).extend(messages)
+    problems, wrong = Problems(), Problems()
+    bad = boxes.outside(wrong, index.tensors, targets)
+    n_tensors = len(index.tensors.itemsize)
+    named = np.zeros(n_tensors + 1, bool)
+    named[np.where((targets.tensor >= 0) & (targets.tensor < n_tensors), targets.tensor, -1)] = True
+    for t, messages in sorted(index.problems.items()):
+        if 0 <= t < n_tensors and named[t]:
+            problems[t] = list(messages)
+    for t, messages in wrong.items():
+        problems.setdefault(t, []).extend(messages)
     live = np.flatnonzero(~bad & (targets.shape > 0).all(1))
     tensor, lo = targets.tensor[live], targets.start[live]
     grid = index.grid
