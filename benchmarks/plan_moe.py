@@ -30,7 +30,9 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -44,6 +46,7 @@ Q_LORA, KV_LORA, HEADS, QK_NOPE, QK_ROPE, V_HEAD = 1536, 512, 64, 128, 64, 128
 EP, FSDP, TP = 16, 16, 8  # trainer: EP x FSDP ranks; workers: EP x TP
 BF16, FP32 = 2, 4
 PLAN_SECONDS, BALANCE = 1.0, 1.1  # the targets
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -174,13 +177,18 @@ class Layout:
         )
 
 
-def timed(fn, repeats: int) -> tuple[float, object]:  # type: ignore[no-untyped-def]
-    times, out = [], None
+def timed(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
+    """The median time of ``repeats`` calls, and the last result."""
+    times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         out = fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), out
+
+
+def balance(per_rank: np.ndarray) -> float:
+    return float(per_rank.max() / per_rank.mean())
 
 
 def main() -> None:
@@ -195,18 +203,20 @@ def main() -> None:
     t0 = time.perf_counter()
     layout = Layout()
     built = time.perf_counter() - t0
-    params = int((layout.tensors.global_shape.prod(1)).sum())
+    params = int(layout.tensors.global_shape.prod(1).sum())
     print(
         f"layout: {len(layout.kind):,} tensors, {params / 1e12:.3f}T parameters, "
         f"{len(layout.sources.tensor):,} source pieces on {EP * FSDP} ranks "
         f"(built in {built:.2f} s)"
     )
 
-    index_s, index = timed(
-        lambda: index_sources(layout.tensors, layout.sources), max(1, args.repeats // 2)
-    )
+    repeats = max(1, args.repeats // 2)
+    index_s, index = timed(lambda: index_sources(layout.tensors, layout.sources), repeats)
     assert not index.problems, list(index.problems.items())[:3]
-    print(f"source index (group + validate, once per source layout): {index_s:.3f} s")
+    print(
+        f"source index (group + validate, once per source layout): {index_s:.3f} s, "
+        f"median of {repeats}"
+    )
 
     targets = layout.targets(args.worker)
     plan_s, one = timed(lambda: plan(index, targets, args.worker), args.repeats)
@@ -216,16 +226,33 @@ def main() -> None:
         f"from {len(one.ranks)} ranks"
     )
 
+    # Every worker's plan, summed per source rank; the replicated tensors apart.
+    replicated = np.array([k.source == "replicate" for k in layout.kinds])[layout.kind]
+    per_rank, per_owner = np.zeros((2, EP * FSDP), np.int64)
     t0 = time.perf_counter()
-    per_rank = np.zeros(EP * FSDP, np.int64)
     for worker in range(args.workers):
-        per_rank += plan(index, layout.targets(worker), worker).bytes_per_rank(EP * FSDP)
+        wanted = layout.targets(worker)
+        p = plan(index, wanted, worker)
+        # Exactly the targets' bytes move, none twice: the plan's own check here.
+        assert p.nbytes == int(
+            (wanted.shape.prod(1) * layout.tensors.itemsize[wanted.tensor]).sum()
+        )
+        per_rank += p.bytes_per_rank(EP * FSDP)
+        mine = replicated[p.dest]  # dest ids are tensor numbers here
+        per_owner += np.bincount(p.rank[mine], p.length[mine] * p.count[mine], EP * FSDP).astype(
+            np.int64
+        )
     spent = time.perf_counter() - t0
-    ratio = per_rank.max() / per_rank.mean()
+    ratio = balance(per_rank)
     print(
-        f"{args.workers} workers' plans in {spent:.1f} s: {per_rank.sum() / 2**40:.3f} TiB read, "
-        f"per source rank max/mean {ratio:.3f} (min {per_rank.min() / 2**30:.2f} GiB, "
-        f"max {per_rank.max() / 2**30:.2f} GiB)"
+        f"{args.workers} workers' targets built and planned in {spent:.1f} s: "
+        f"{per_rank.sum() / 2**40:.3f} TiB read, per source rank max/mean {ratio:.3f} "
+        f"(min {per_rank.min() / 2**30:.2f} GiB, max {per_rank.max() / 2**30:.2f} GiB)"
+    )
+    print(
+        f"replicated tensors ({int(replicated.sum())}, on all {EP * FSDP} ranks): "
+        f"{per_owner.sum() / 2**20:.1f} MiB read from {int((per_owner > 0).sum())} ranks, "
+        f"max/mean {balance(per_owner):.3f}"
     )
     print(
         f"targets: plan <= {PLAN_SECONDS:g} s: {'met' if plan_s <= PLAN_SECONDS else 'MISSED'} "

@@ -111,14 +111,14 @@ class _Grid:
 
     def number(self, tensor: np.ndarray, at: np.ndarray) -> np.ndarray:
         """The cell at per-dim positions ``at`` of each tensor."""
-        return self.cell_ptr[tensor] + (at * self.stride[tensor]).sum(1)
+        return self.cell_ptr[tensor] + boxes.across(np.add, at * self.stride[tensor])
 
     def cells(
         self, tensor: np.ndarray, first: np.ndarray, stop: np.ndarray
     ) -> tuple[np.ndarray, ...]:
         """(box, cell) for every cell of every box's span."""
         extent = stop - first
-        count = extent.prod(1)
+        count = boxes.across(np.multiply, extent)
         if (count == 1).all():  # a grid layout: one cell per box
             return np.arange(len(count)), self.number(tensor, first)
         box, k = _expand(count)
@@ -178,7 +178,9 @@ def index_sources(tensors: Tensors, sources: Sources) -> SourceIndex:
     and boxes that overlap other than as identical replicas. ``ValueError`` only for
     a layout too large to number (tensors x largest extent >= 2**62)."""
     s, problems = sources, Problems()
-    keep = np.flatnonzero(~boxes.outside(problems, tensors, s) & (s.shape > 0).all(1))
+    keep = np.flatnonzero(
+        ~boxes.outside(problems, tensors, s) & boxes.across(np.logical_and, s.shape > 0)
+    )
     tensor, lo = s.tensor[keep], s.start[keep]  # empty boxes hold nothing
     hi = lo + s.shape[keep]
     grid = _Grid.of(tensors, tensor, lo, hi)
@@ -301,9 +303,10 @@ class Plan:
 
     def bytes_per_rank(self, n_ranks: int = 0) -> np.ndarray:
         """Bytes read from each rank 0..max(n_ranks, highest rank + 1) - 1."""
-        return np.bincount(self.rank, weights=self.length * self.count, minlength=n_ranks).astype(
-            I64
-        )
+        out = np.zeros(max(n_ranks, int(self.ranks.max(initial=-1)) + 1), I64)
+        if len(self):
+            out[self.ranks] = np.add.reduceat(self.length * self.count, self.rank_ptr[:-1])
+        return out
 
     def bytes_per_dest(self) -> tuple[np.ndarray, np.ndarray]:
         """(dest ids ascending, bytes written into each)."""
@@ -323,8 +326,8 @@ def plan(index: SourceIndex, targets: Targets, worker: int = 0) -> Plan:
     """The runs that fill ``targets`` (one worker's pieces) from ``index``'s ranks.
 
     Every byte of every non-empty target piece is written exactly once; only the
-    intersections of target and source boxes are read, each as the fewest rows both
-    layouts allow. A box several ranks hold is read from one of them: per set of
+    intersections of target and source boxes are read, in runs as long as both layouts
+    allow. A box several ranks hold is read from one of them: per set of
     owning ranks, this worker's pieces are laid end to end and the owners take equal
     consecutive shares, the first share going to owner ``worker % owners``, so the
     choice is deterministic in ``worker`` and spreads over the owners both within this
@@ -337,7 +340,7 @@ def plan(index: SourceIndex, targets: Targets, worker: int = 0) -> Plan:
     lo = np.maximum(at, r_at)
     extent = np.minimum(at + targets.shape[piece], r_at + r_shape) - lo
     itemsize = index.tensors.itemsize[targets.tensor[piece]]
-    owner = _choose(index, region, extent.prod(1) * itemsize, worker)
+    owner = _choose(index, region, boxes.across(np.multiply, extent) * itemsize, worker)
     rows = _runs(extent, lo - r_at, r_shape, lo - at, targets.shape[piece], itemsize)
     owner, piece = owner[rows.box], piece[rows.box]
     return _finish(
@@ -368,7 +371,7 @@ def _match(index: SourceIndex, targets: Targets) -> tuple[np.ndarray, np.ndarray
             problems[t] = list(messages)
     for t, messages in wrong.items():
         problems.setdefault(t, []).extend(messages)
-    live = np.flatnonzero(~bad & (targets.shape > 0).all(1))
+    live = np.flatnonzero(~bad & boxes.across(np.logical_and, targets.shape > 0))
     tensor, lo = targets.tensor[live], targets.start[live]
     grid = index.grid
     box, cell = grid.cells(tensor, *grid.span(tensor, lo, lo + targets.shape[live]))
@@ -455,8 +458,8 @@ def _runs(
         count = np.where(begin, e, np.where(extend, count * e, count))
         rows[:, d] = np.where(spill, e, 1)
         phase = np.where(begin, 1, np.where(spill, 2, phase)).astype(np.int8)
-    src, dest = (src_at * ss).sum(1), (dest_at * ds).sum(1)
-    per = rows.prod(1)
+    src, dest = boxes.across(np.add, src_at * ss), boxes.across(np.add, dest_at * ds)
+    per = boxes.across(np.multiply, rows)
     box = np.arange(n)
     if (per > 1).any():
         box, k = _expand(per)
