@@ -200,24 +200,12 @@ def index_sources(tensors: Tensors, sources: Sources) -> SourceIndex:
     cell_region[cell] = box
     _gaps(problems, tensors, grid, cover, tensor[region])
     _overlaps(problems, tensors, grid, cover, box, cell, s, keep[region])
-    piece = keep[order]
-    owner_set = np.add.reduceat(_splitmix(s.rank[piece]), firsts) if len(firsts) else firsts
-    return SourceIndex(
-        tensors,
-        s,
-        problems,
-        tensor[region],
-        lo[region],
-        s.shape[keep][region],
-        np.bincount(box, minlength=len(region)),
-        np.r_[firsts, len(order)].astype(I64),
-        s.rank[piece],
-        s.index[piece],
-        s.base[piece],
-        owner_set.view(I64),
-        grid,
-        cell_region,
-    )
+    piece, shape = keep[order], s.shape[keep][region]
+    cells_each = np.bincount(box, minlength=len(region))
+    owners = (np.r_[firsts, len(order)].astype(I64), s.rank[piece], s.index[piece], s.base[piece])
+    owner_set = np.add.reduceat(_splitmix(owners[1]), firsts) if len(firsts) else firsts
+    regions = (tensor[region], lo[region], shape, cells_each, *owners, owner_set.view(I64))
+    return SourceIndex(tensors, s, problems, *regions, grid, cell_region)
 
 
 def _gaps(
