@@ -314,12 +314,12 @@ def plan(index: SourceIndex, targets: Targets, worker: int = 0) -> Plan:
     """The runs that fill ``targets`` (one worker's pieces) from ``index``'s ranks.
 
     Every byte of every non-empty target piece is written exactly once; only the
-    intersections of target and source boxes are read, in runs as long as both layouts
-    allow. A box several ranks hold is read from one of them: per set of
+    intersections of target and source boxes are read, in runs as long as both
+    layouts allow. What several ranks hold is read from one of them: per set of
     owning ranks, this worker's pieces are laid end to end and the owners take equal
-    consecutive shares, the first share going to owner ``worker % owners``, so the
-    choice is deterministic in ``worker`` and spreads over the owners both within this
-    plan and across workers. Cache the result by ``(index.key, targets.key, worker)``.
+    consecutive shares, the first going to owner ``worker % owners``, so the choice
+    is deterministic in ``worker`` and spreads over the owners within this plan and
+    across workers. Cache the result by ``(index.key, targets.key, worker)``.
     Raises ``LayoutError`` with ``check``'s problems, if any."""
     piece, region, problems = _match(index, targets)
     if problems:
