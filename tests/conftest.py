@@ -17,6 +17,7 @@ from plugin_transports import SHM_DIR, plugin_files
 # Workers cannot import the tests directory: ship the helper actors by value.
 cloudpickle.register_pickle_by_value(actors)
 
+
 @pytest.fixture(scope="session")
 def ray_session():
     if not ray.is_initialized():

@@ -13,7 +13,7 @@ import ray
 import torch
 
 import raydirect as rd
-from raydirect import _api
+from raydirect import _consumer
 
 from actors import Producer
 from helpers import wait_for
@@ -35,9 +35,9 @@ def _dead_producers_ref() -> ray.ObjectRef:
 
 def _pool_idle(timeout: float = 60.0) -> None:
     """Every thread of the fetch pool free at once (a barrier they all must reach)."""
-    pool = _api._fetch_pool()
-    barrier = threading.Barrier(_api._FETCH_THREADS)
-    futures = [pool.submit(barrier.wait, timeout) for _ in range(_api._FETCH_THREADS)]
+    pool = _consumer.fetch_pool()
+    barrier = threading.Barrier(_consumer._FETCH_THREADS)
+    futures = [pool.submit(barrier.wait, timeout) for _ in range(_consumer._FETCH_THREADS)]
     for future in futures:
         future.result(timeout=timeout)
 

@@ -13,7 +13,7 @@ import time
 import ray
 
 import raydirect as rd
-from raydirect import _api, _process
+from raydirect import _consumer, _process
 
 from actors import Producer
 
@@ -62,7 +62,7 @@ def test_a_forked_child_starts_clean_and_refuses_reads_at_once(ray_session):
             "pid": _process.PID,
             "token": _process.PROCESS_TOKEN.hex(),
             "objects": rd.local_stats().num_objects,
-            "pool": _api._fetch_pool().submit(lambda: 7).result(timeout=5),
+            "pool": _consumer.fetch_pool().submit(lambda: 7).result(timeout=5),
         }
 
     child = _in_child(work)

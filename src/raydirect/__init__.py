@@ -17,9 +17,10 @@ from raydirect._api import (
 )
 from raydirect._broadcast import broadcast
 from raydirect._group_api import create_collective_group, destroy_collective_group
+from raydirect._layouts import WeightsHandle
 from raydirect._store import LocalStats
 from raydirect._subscriber import WeightSubscriber
-from raydirect._weights import WeightPublisher, WeightsHandle
+from raydirect._weights import WeightPublisher
 from raydirect.errors import (
     FetchTimeoutError,
     GroupError,

@@ -10,8 +10,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar, overload
 
 import ray
@@ -19,7 +18,7 @@ import torch
 
 from raydirect import _ray
 from raydirect._collector import collector_paused
-from raydirect._consumer import fetch_value
+from raydirect._consumer import fetch_value, run_all
 from raydirect._into import (
     check_device_fits,
     describe_targets,
@@ -37,9 +36,7 @@ from raydirect.transports.registry import AUTO, check_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-_FETCH_THREADS = 8
 _ASYNC_THREADS = 4
-_pool: ThreadPoolExecutor | None = None
 _async_executor: ThreadPoolExecutor | None = None
 _pools_lock = threading.Lock()
 
@@ -115,14 +112,6 @@ def put(value: Any, tensor_transport: str = AUTO) -> ray.ObjectRef:
     check_name(tensor_transport)
     _ray.ensure_ray()
     return ray.put(export(value, tensor_transport, label=_ray.current_task_label() + " rd.put"))
-
-
-def _fetch_pool() -> ThreadPoolExecutor:
-    global _pool
-    with _pools_lock:  # two callers at once must not make two pools
-        if _pool is None:
-            _pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="raydirect-fetch")
-        return _pool
 
 
 def _async_pool() -> ThreadPoolExecutor:
@@ -247,24 +236,17 @@ def _fetch_all(
             return {i: fetch_value(value.payload, deadline, forced, targets.get(i), device)}
         except TimeoutError as exc:
             raise _timeout_error(timeout, 1, [value]) from exc
-    gate = gate or WriteGate()
-    futures = {
-        i: _fetch_pool().submit(
-            fetch_value, v.payload, deadline, forced, targets.get(i), device, gate
-        )
+    jobs = {
+        i: functools.partial(fetch_value, v.payload, deadline, forced, targets.get(i), device)
         for i, v in pending.items()
     }
-    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
-    done, not_done = wait_futures(futures.values(), timeout=remaining, return_when=FIRST_EXCEPTION)
-    errors = [f.exception() for f in futures.values() if f in done]
-    if not not_done and not any(errors):
-        return {i: fut.result() for i, fut in futures.items()}
-    gate.close()  # the others stop at their next piece; none writes from now on
-    for error in errors:  # the first failure wins, as in ray.get
-        if error is not None and not isinstance(error, TimeoutError):
-            raise error
-    late = [pending[i] for i, f in futures.items() if f in not_done or f.exception()]
-    raise _timeout_error(timeout, len(late), late)
+    outcome = run_all(jobs, deadline, gate)
+    if outcome.error is not None:  # the first failure wins, as in ray.get
+        raise outcome.error
+    if outcome.late:
+        late = [pending[i] for i in outcome.late]
+        raise _timeout_error(timeout, len(late), late)
+    return outcome.results
 
 
 def _per_ref(into: Any, single: bool, count: int) -> list[Any]:
@@ -347,9 +329,9 @@ def local_stats() -> LocalStats:
 
 
 def _forget_after_fork() -> None:
-    # A forked child has none of the pools' threads: a submit would wait for ever.
-    global _pool, _async_executor, _pools_lock
-    _pool = _async_executor = None
+    # A forked child has none of the pool's threads: a submit would wait for ever.
+    global _async_executor, _pools_lock
+    _async_executor = None
     _pools_lock = threading.Lock()
 
 

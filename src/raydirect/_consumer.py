@@ -4,35 +4,35 @@ This is the one place that orchestrates transfers: transport choice and
 fallback, deadlines, counters, clean-up after a producer's loss. Transports
 below it only move bytes.
 
-``auto``, per pair of processes (by Ray node id; the choice is logged at debug level):
-  same process      -> the stored tensors themselves, no copy
-  same node, cpu    -> ``cma`` (one copy straight from the producer's memory);
-                       ``shm`` where the kernel refuses cross-memory reads
-  same node, cuda   -> ``cuda_ipc``
-  other node        -> ``nixl`` when both processes have NIXL installed (the
-                       producer registers the object's memory when first asked),
-                       else a collective group both are in (``gloo`` for cpu,
-                       ``nccl`` for cuda), else ``tcp``; a producer whose nixl
-                       read fails is read over the next choice from then on
-A declared same-node transport read from another node, and a two-sided
-transport read outside the producer's group (the driver, a non-member), fall
-back to ``tcp``, logged once per process.
+Which transport reads an object is ``_choice``'s answer; ``run_all`` runs
+several reads at once, each writing only while its call's gate is open.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
 
 from raydirect import _channel, _payload, _plugin_transfer, _process, _ray, _wire
+from raydirect._choice import (
+    CROSS_NODE_ENGINE,
+    SAME_NODE,
+    SAME_NODE_FALLBACK,
+    choose_transport,
+    refused_cma,
+    refused_nixl,
+)
 from raydirect._collector import collector_paused
 from raydirect._into import (
     copy_into,
@@ -43,7 +43,7 @@ from raydirect._into import (
     take_hint,
     writable_bytes,
 )
-from raydirect._payload import PREPARING, Payload, ProducerInfo, check_usable_here, join
+from raydirect._payload import PREPARING, Payload, check_usable_here, join
 from raydirect._ranges import ByteViews, Ranges
 from raydirect._store import StoredObject, store
 from raydirect._tensors import (
@@ -55,127 +55,17 @@ from raydirect._tensors import (
     tensors_from_arena,
 )
 from raydirect.errors import (
-    GroupError,
     ProducerLostError,
     TransferError,
     TransportUnavailableError,
 )
-from raydirect.transports import nixl
 from raydirect.transports.base import ByteTransport, PeerMetadata, WriteGate, metadata_classes
-from raydirect.transports.registry import AUTO, check_name, transport_class, transport_instance
+from raydirect.transports.registry import AUTO, transport_class, transport_instance
 from raydirect.transports.shm import sweep_dead_segments
 
 log = logging.getLogger("raydirect")
 T = TypeVar("T")
-
-_SAME_NODE = "cma"
-_SAME_NODE_FALLBACK = "shm"
-_SAME_NODE_CUDA = "cuda_ipc"
-_CROSS_NODE = "tcp"
-_CROSS_NODE_ENGINE = "nixl"
-_REFUSALS_KEPT = 1024
-
-
-class _Refusals:
-    """Producer processes a transport failed to read, so ``auto`` reads them over
-    the next choice. Keyed by process token: a restarted producer is a new
-    process and gets a fresh try. Bounded: the oldest are forgotten."""
-
-    def __init__(self) -> None:
-        self._seen: OrderedDict[bytes, None] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def add(self, producer: ProducerInfo) -> None:
-        with self._lock:
-            self._seen[producer.process_token] = None
-            while len(self._seen) > _REFUSALS_KEPT:
-                self._seen.popitem(last=False)
-
-    def __contains__(self, producer: ProducerInfo) -> bool:
-        with self._lock:
-            return producer.process_token in self._seen
-
-
-_refused_cma = _Refusals()  # producers whose memory the kernel refuses to cross-read
-_refused_nixl = _Refusals()  # ... and those nixl failed to read
-_logged_fallbacks: set[str] = set()
-_lock = threading.Lock()
-
-
-def choose_transport(payload: Payload, forced: str | None) -> str:
-    """The transport this process uses to read ``payload`` (not for same-process reads)."""
-    wanted = check_name(forced or payload.transport)
-    producer = payload.producer
-    same_node = producer.node_id == _ray.node_id()
-    if wanted == AUTO:
-        choice = _choose_auto(payload, same_node)
-        log.debug("raydirect: auto chose %r for an object of %s", choice, producer.describe())
-        return choice
-    if transport_class(wanted).same_node_only and not same_node:
-        _log_fallback_once(wanted, "reaches only the producer's node; objects from other nodes")
-        return _CROSS_NODE
-    transport = transport_instance(wanted)
-    if not transport.byte_transport:
-        if wanted not in payload.transport_meta:
-            raise TransportUnavailableError(
-                f"the object of {producer.describe()} was made for {payload.transport!r}, so "
-                f"plug-in transport {wanted!r} cannot read it; do not force the transport"
-            )
-        if not transport.actor_has_tensor_transport(_ray.current_actor_handle()):
-            if forced:
-                raise TransportUnavailableError(
-                    f"tensor_transport={forced!r} was forced, but the transport says this "
-                    "process cannot use it (actor_has_tensor_transport returned False)"
-                )
-            _log_fallback_once(wanted, "is not available in this process; objects made for it")
-            return _CROSS_NODE
-        return wanted
-    if not transport.reachable(payload.transport_meta.get(wanted, {})):
-        if forced and wanted not in payload.transport_meta:
-            raise TransportUnavailableError(
-                f"tensor_transport={forced!r} was forced, but the object of "
-                f"{producer.describe()} was made for {payload.transport!r}, not for {forced!r}: "
-                "do not force the transport, or make the object with this one"
-            )
-        if forced:
-            raise GroupError(
-                f"tensor_transport={forced!r} was forced, but this process shares no live "
-                f"{forced} group with the producer {producer.describe()}: add both to a group "
-                "with rd.create_collective_group, or do not force the transport"
-            )
-        _log_fallback_once(wanted, "needs the producer's group; processes outside it")
-        return _CROSS_NODE
-    return wanted
-
-
-def _choose_auto(payload: Payload, same_node: bool) -> str:
-    producer = payload.producer
-    cuda = "cuda" in payload.metas.devices
-    if same_node:
-        if cuda:
-            return _SAME_NODE_CUDA
-        if producer in _refused_cma:
-            return _SAME_NODE_FALLBACK
-        return _SAME_NODE
-    if (
-        _CROSS_NODE_ENGINE in producer.transports
-        and producer not in _refused_nixl
-        and nixl.installed()
-    ):
-        return _CROSS_NODE_ENGINE
-    backend = "nccl" if cuda else "gloo"  # a group both are in, if any
-    groups = payload.transport_meta.get(backend)
-    if groups is not None and transport_instance(backend).reachable(groups):
-        return backend
-    return _CROSS_NODE
-
-
-def _log_fallback_once(wanted: str, why: str) -> None:
-    with _lock:
-        first = wanted not in _logged_fallbacks
-        _logged_fallbacks.add(wanted)
-    if first:  # once per process, not per transfer
-        log.warning("raydirect: %r %s read over %r", wanted, why, _CROSS_NODE)
+K = TypeVar("K", bound=Hashable)
 
 
 def _arena_device(name: str, payload: Payload) -> str:
@@ -289,11 +179,11 @@ def _own_object(payload: Payload) -> StoredObject:
 def _with_fallback(payload: Payload, forced: str | None, name: str, read: Callable[[str], T]) -> T:
     """``read(name)``; under ``auto``, a producer nixl fails to read is read over
     the next choice (and from then on)."""
-    if name == _CROSS_NODE_ENGINE and (forced or payload.transport) == AUTO:
+    if name == CROSS_NODE_ENGINE and (forced or payload.transport) == AUTO:
         try:
             return read(name)
         except (TransferError, TransportUnavailableError, ImportError) as exc:
-            _refused_nixl.add(payload.producer)
+            refused_nixl.add(payload.producer)
             log.warning(
                 "raydirect: nixl could not read from %s (%s); reading it over the next choice",
                 payload.producer.describe(),
@@ -389,13 +279,13 @@ def _read_bytes(
             with _writing(gate):
                 _read(name, payload, comm, ranges)
         except TransportUnavailableError:
-            if name != _SAME_NODE or (forced or payload.transport) != AUTO:
+            if name != SAME_NODE or (forced or payload.transport) != AUTO:
                 raise
-            _refused_cma.add(producer)
+            refused_cma.add(producer)
             log.info(
-                "raydirect: cross-memory reads refused; using %r on this node", _SAME_NODE_FALLBACK
+                "raydirect: cross-memory reads refused; using %r on this node", SAME_NODE_FALLBACK
             )
-            name = _SAME_NODE_FALLBACK
+            name = SAME_NODE_FALLBACK
             with _writing(gate):
                 _read(name, payload, comm, ranges)
     except ProducerLostError:
@@ -499,3 +389,60 @@ def fetch_value(
 
 
 _payload.set_fetcher(fetch_value)
+
+
+# ------------------------------------------------------------ several reads at once
+
+_FETCH_THREADS = 8
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def fetch_pool() -> ThreadPoolExecutor:
+    """The threads that run this process's concurrent reads (``run_all``)."""
+    global _pool
+    with _pool_lock:  # two callers at once must not make two pools
+        if _pool is None:
+            _pool = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="raydirect-fetch")
+        return _pool
+
+
+@dataclass
+class Outcome(Generic[K, T]):
+    """What ``run_all`` ended with: every job's result, or the first failure that
+    is not a timeout, and the jobs that had not ended by the deadline (or timed out)."""
+
+    results: dict[K, T]
+    error: BaseException | None
+    late: list[K]
+
+
+def run_all(
+    jobs: Mapping[K, Callable[[WriteGate], T]],
+    deadline: float | None,
+    gate: WriteGate | None = None,
+) -> Outcome[K, T]:
+    """Run every job at once on the fetch pool, each writing only while ``gate``
+    (a new one if None) is open, until all end, one fails, or ``deadline``. On a
+    failure or the deadline the gate closes before this returns: no job writes
+    the caller's memory any more (the others stop at their next piece)."""
+    gate = gate or WriteGate()
+    futures = {key: fetch_pool().submit(job, gate) for key, job in jobs.items()}
+    remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+    done, not_done = wait_futures(futures.values(), timeout=remaining, return_when=FIRST_EXCEPTION)
+    errors = [f.exception() for f in futures.values() if f in done]
+    if not not_done and not any(errors):
+        return Outcome({key: f.result() for key, f in futures.items()}, None, [])
+    gate.close()
+    error = next((e for e in errors if e is not None and not isinstance(e, TimeoutError)), None)
+    late = [key for key, f in futures.items() if f in not_done or f.exception()]
+    return Outcome({}, error, late)
+
+
+def _forget_after_fork() -> None:
+    # A forked child has none of the pool's threads: a submit would wait for ever.
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,65 +1,59 @@
 """Weight sync, the loading side: versions received into the target's own tensors.
 
-``WeightSubscriber.load`` checks a handle against the target before a byte
-moves (version, names, shapes, dtypes, devices), then reads straight into the
-target's tensors: no new tensors, parameters keep their identity, so an engine
-holding them sees the update. With ``shard``, each target tensor is a slice of
-the published one and only that slice's bytes are read (``Ranges``): rows of a
-row-major tensor are one run of bytes, columns are many runs, one per row.
-A tensor the publisher laid out in blocks (``shard_blocks``) is read as the
-one block a shard is, in one run, or as whole blocks of rows straight into the
-target; otherwise (blocks of columns read whole, a slice that is not whole
-blocks) its blocks land in scratch memory and are rearranged into the target.
-The plan (checks done, ranges built) is cached per layout, so a steady loop
-pays for it once.
+``WeightSubscriber.load`` takes one handle, or one per rank of a sharded trainer,
+all of one version. Before a byte moves it checks them against the target
+(version, names, the ranks' agreement on each global shape and dtype, the boxes
+the ranks hold, the target's shapes, dtypes and devices), then reads straight
+into the target's tensors: no new tensors, parameters keep their identity, so an
+engine holding them sees the update.
+
+Each target tensor is a box of its global tensor (the whole of it, a ``shard``
+slice, or a DTensor's local shard); each rank's handle says which boxes that rank
+holds (``_layouts``). The planner (``_plan``) intersects the two: only the
+intersections move, each from one rank that holds it, replicas spread over their
+owners, in runs as long as both layouts allow. Runs that land strided in the
+target and are short are read into scratch memory and copied over once (many
+small cross-memory reads cost more than the copy). The plan is made once per
+set of layouts and kept, so a steady loop pays for it once; all ranks are read
+at once, and a failure stops every read before ``load`` raises.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 
-from raydirect._consumer import fetch_ranges
+from raydirect import _boxes as boxes
+from raydirect import _plan as planner
+from raydirect import _process
+from raydirect._consumer import fetch_ranges, run_all
 from raydirect._into import writable_bytes
+from raydirect._layouts import (
+    Published,
+    WeightsHandle,
+    WeightsLayout,
+    dtensor_box,
+    is_dtensor,
+    local_of,
+    state_of,
+)
 from raydirect._payload import PendingFetch, check_usable_here, get_deferred
-from raydirect._ranges import Ranges
-from raydirect._tensors import torch_dtype
-from raydirect._weights import WeightsHandle, WeightsLayout, blocked_view, state_of
+from raydirect._ranges import ByteViews, Ranges
+from raydirect._tensors import allocate_bytes
 from raydirect.errors import RaydirectError, WeightSyncError
 
 Shard = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
 _SHOWN = 5  # problems listed in one error
-
-
-Row = tuple[int, int, int, int, int]
-
-
-# After the read, for a blocked tensor read into scratch: a (target, source) pair
-# of views to copy, or a function that does what a view cannot.
-After = tuple[torch.Tensor, torch.Tensor] | Callable[[], None]
-
-
-@dataclass
-class _Plan:
-    ranges: Ranges
-    names: list[str]  # loaded, in the order of the ranges' rows
-    copies: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
-    after: list[Callable[[], None]] = field(default_factory=list)
-
-    def rearrange(self) -> None:
-        """Blocked tensors read into scratch, into their targets: one call for the copies."""
-        with torch.no_grad():
-            if self.copies:
-                torch._foreach_copy_([t for t, _ in self.copies], [s for _, s in self.copies])
-            for finish in self.after:
-                finish()
+# Strided runs at least this long land straight in the target; shorter ones go to
+# scratch memory and are copied over once (a cross-memory read pays per run).
+_DIRECT_RUN = 64 << 10
 
 
 class _Targets:
@@ -82,7 +76,7 @@ class _Targets:
 
     def read(self) -> None:
         self.tensors = state_of(self._source, "target")
-        self._held = list(self.tensors.values())
+        self._held = [local_of(t) for t in self.tensors.values()]
         self._places = _places(self._source, self.tensors)
         self._pointers = [t.data_ptr() for t in self._held]
 
@@ -134,180 +128,286 @@ def _places(source: Any, tensors: dict[str, torch.Tensor]) -> _Places | None:
     return containers, keys, holders
 
 
+@dataclass
+class _Load:
+    """A plan ready to run: per rank (its position in the handles), the ranges to
+    read; then the copies from scratch into the target (short strided runs)."""
+
+    reads: list[tuple[int, Ranges]]
+    copies: tuple[list[torch.Tensor], list[torch.Tensor]]  # (target views, scratch views)
+    scratch: torch.Tensor | None  # kept alive with the views into it
+
+    def finish(self) -> None:
+        if self.copies[0]:
+            with torch.no_grad():  # one call for every copy
+                torch._foreach_copy_(*self.copies)
+
+
+def _assembled(plan: planner.Plan, dests: list[torch.Tensor]) -> _Load:
+    """``plan``'s rows as ranges per rank, landing in ``dests`` (flat uint8 views of
+    the targets) directly, or in scratch for short strided runs."""
+    rows = {name: getattr(plan, name) for name in planner.PLAN_COLUMNS}
+    strided = (rows["count"] > 1) & (rows["dest_stride"] != rows["length"])
+    split = strided & (rows["length"] >= _DIRECT_RUN)
+    if split.any():  # long strided runs: one row each, straight into the target
+        rows = _split_rows(rows, split)
+        strided = (rows["count"] > 1) & (rows["dest_stride"] != rows["length"])
+    nbytes = rows["length"] * rows["count"]
+    scratch_at = np.where(strided, np.cumsum(np.where(strided, nbytes, 0)) - nbytes, -1)
+    scratch = allocate_bytes(int(nbytes[strided].sum())) if strided.any() else None
+    pointers = np.fromiter((d.data_ptr() for d in dests), np.int64, len(dests))
+    addresses = pointers[rows["dest"]] + rows["dest_offset"]
+    if scratch is not None:
+        addresses = np.where(strided, scratch.data_ptr() + scratch_at, addresses)
+    copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for i in np.flatnonzero(strided).tolist():
+        flat, count, length = dests[rows["dest"][i]], int(rows["count"][i]), int(rows["length"][i])
+        at = flat.storage_offset() + int(rows["dest_offset"][i])
+        copies[0].append(flat.as_strided((count, length), (int(rows["dest_stride"][i]), 1), at))
+        start = int(scratch_at[i])
+        copies[1].append(scratch[start : start + count * length].view(count, length))  # type: ignore[index]
+
+    def view(i: int) -> torch.Tensor:
+        if strided[i]:
+            start = int(scratch_at[i])
+            return scratch[start : start + int(nbytes[i])]  # type: ignore[index]
+        at = int(rows["dest_offset"][i])
+        return dests[rows["dest"][i]][at : at + int(nbytes[i])]
+
+    reads = []
+    bounds = np.flatnonzero(boxes.run_flags(rows["rank"]))
+    for first, stop in zip(bounds.tolist(), [*bounds[1:].tolist(), len(nbytes)], strict=True):
+        picked = slice(first, stop)
+        ranges = Ranges(
+            rows["index"][picked],
+            rows["src_offset"][picked],
+            rows["length"][picked],
+            rows["count"][picked],
+            rows["src_stride"][picked],
+            ByteViews(addresses[picked], nbytes[picked], functools.partial(_shifted, view, first)),
+        )
+        reads.append((int(rows["rank"][first]), ranges))
+    return _Load(reads, copies, scratch)
+
+
+def _shifted(view: Callable[[int], torch.Tensor], first: int, i: int) -> torch.Tensor:
+    return view(first + i)
+
+
+def _split_rows(rows: dict[str, np.ndarray], split: np.ndarray) -> dict[str, np.ndarray]:
+    """``rows`` with each row marked in ``split`` turned into ``count`` single runs."""
+    times = np.where(split, rows["count"], 1)
+    row = np.repeat(np.arange(len(times)), times)
+    k = np.arange(len(row)) - np.repeat(np.cumsum(times) - times, times)
+    out = {name: column[row] for name, column in rows.items()}
+    was = split[row]
+    out["src_offset"] = out["src_offset"] + np.where(was, k * out["src_stride"], 0)
+    out["dest_offset"] = out["dest_offset"] + np.where(was, k * out["dest_stride"], 0)
+    out["count"] = np.where(was, 1, out["count"])
+    out["src_stride"] = np.where(was, out["length"], out["src_stride"])
+    out["dest_stride"] = np.where(was, out["length"], out["dest_stride"])
+    return out
+
+
 class WeightSubscriber:
     """Loads published versions into ``target`` (an ``nn.Module`` or a dict of
-    tensors) in place. ``shard(name, full_shape)`` returns ``None`` (the target
-    holds the whole tensor) or ``(dim, start, stop)`` (the slice it holds);
+    tensors) in place. ``shard(name, global_shape)`` returns ``None`` (the target
+    holds the whole tensor) or ``(dim, start, stop)`` (the slice it holds); a
+    DTensor target holds the local shard its placements say, with no ``shard``.
     ``strict`` requires the names to match exactly (else the common ones load).
     """
 
     def __init__(self, target: Any, *, shard: Shard | None = None, strict: bool = True) -> None:
         self._targets = _Targets(target)
         if shard is not None and not callable(shard):
-            raise TypeError(f"shard must be a callable (name, full_shape) -> slice, got {shard!r}")
+            raise TypeError(
+                f"shard must be a callable (name, global_shape) -> slice, got {shard!r}"
+            )
         self._shard, self._strict = shard, bool(strict)
-        self._plans: dict[bytes, _Plan] = {}
+        self._loads: dict[tuple[bytes, ...], _Load] = {}
+        # Spreads the replicas this worker reads over their owners (see _plan.plan).
+        self._worker = int.from_bytes(_process.PROCESS_TOKEN[:4], "little")
         self.version: int | None = None
 
-    def load(self, handle: WeightsHandle | ray.ObjectRef, *, timeout: float | None = None) -> int:
-        """Receive ``handle``'s version into the target; returns it (also ``sub.version``).
-        ``handle`` may also be a ref to a handle (what an actor's ``publish`` call returns).
+    def load(self, handles: Any, *, timeout: float | None = None) -> int:
+        """Receive a version into the target; returns it (also ``sub.version``).
+        ``handles``: a ``WeightsHandle`` (or a ref to one, what an actor's
+        ``publish`` call returns), or a list or tuple of them, one per rank of a
+        sharded trainer, all of the same version.
 
-        Refused before a byte moves (``WeightSyncError`` naming the tensor) when the
-        version is not newer or the handle does not fit the target. A transfer
-        that fails midway raises ``WeightSyncError`` (the cause chained): the
-        target may then be partly written, and ``sub.version`` stays.
+        Refused before a byte moves (``WeightSyncError`` naming the tensor, ending
+        "nothing was written") when the version is not newer, the ranks' versions
+        differ, or the handles do not fit the target. A transfer that fails midway
+        raises ``WeightSyncError`` (the cause chained): the target may then be
+        partly written, and ``sub.version`` stays.
         """
         check_usable_here()
         deadline = None if timeout is None else time.monotonic() + timeout
-        if isinstance(handle, ray.ObjectRef):  # a ref to a handle (a method returned it)
-            try:
-                handle = ray.get(handle, timeout=timeout)
-            except (ray.exceptions.RayError, TimeoutError) as exc:
-                raise WeightSyncError(
-                    f"the handle did not arrive ({type(exc).__name__}: {exc}); nothing was "
-                    f"written; sub.version stays {self.version}"
-                ) from exc
-        if not isinstance(handle, WeightsHandle):
-            raise TypeError(f"load takes a WeightsHandle from publish, got {type(handle).__name__}")
-        if self.version is not None and handle.version <= self.version:
-            raise WeightSyncError(
-                f"version {handle.version} is not newer than the loaded one ({self.version}); "
-                "nothing was written"
-            )
+        ranks = self._handles(handles, timeout)
+        version = self._version_of(ranks)
         if self._targets.changed():
-            self._plans.clear()  # made for memory the target no longer uses
-        plan = self._plan(handle.layout)
+            self._loads.clear()  # made for memory the target no longer uses
+        load = self._load_for(tuple(h.layout for h in ranks))
         remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
         try:
-            [value] = get_deferred([handle.ref], remaining)
-            if not isinstance(value, PendingFetch):
-                raise WeightSyncError("the handle's object holds no raydirect tensors")
-            fetch_ranges(value.payload, plan.ranges, deadline)
-            plan.rearrange()
+            values = get_deferred([h.ref for h in ranks], remaining)
+            payloads = [v.payload for v in values if isinstance(v, PendingFetch)]
+            if len(payloads) != len(values):
+                raise WeightSyncError("a handle's object holds no raydirect tensors")
+            _read_all(load, payloads, deadline)
+            load.finish()
         except (RaydirectError, ray.exceptions.RayError, TimeoutError) as exc:
             raise WeightSyncError(
-                f"loading version {handle.version} failed midway ({type(exc).__name__}: {exc}); "
+                f"loading version {version} failed midway ({type(exc).__name__}: {exc}); "
                 f"the target may be partly written; sub.version stays {self.version}"
             ) from exc
-        self.version = handle.version
-        return handle.version
+        self.version = version
+        return version
 
-    def _plan(self, layout: WeightsLayout) -> _Plan:
-        plan = self._plans.get(layout.token)
-        if plan is None:
-            plan = self._make_plan(layout)
-            self._plans = {layout.token: plan}  # one layout at a time is what a loop uses
-        return plan
-
-    def _make_plan(self, layout: WeightsLayout) -> _Plan:
-        problems = self._name_problems(layout)
-        rows: list[Row] = []
-        dests: list[torch.Tensor] = []
-        names: list[str] = []
-        plan = _Plan(Ranges.of_rows([], []), names)
-        targets = self._targets.tensors
-        for i, name in enumerate(layout.names):
-            target = targets.get(name)
-            if target is None:
-                continue
+    def _handles(self, handles: Any, timeout: float | None) -> list[WeightsHandle]:
+        """The handles, one per rank, refs to handles resolved."""
+        many = isinstance(handles, (list, tuple))
+        given = list(handles) if many else [handles]
+        if not given:
+            raise ValueError("load takes a handle, or a list with one per trainer rank")
+        refs = [h for h in given if isinstance(h, ray.ObjectRef)]
+        if refs:  # refs to handles (what actors' publish calls return)
             try:
-                spec = self._check(layout, i, target)
-            except WeightSyncError as exc:
-                problems.append(str(exc))
-                continue
-            row, dest, after = _read_of(layout, i, target, spec)
-            rows.append(row)
-            dests.append(dest)
-            names.append(name)
-            if isinstance(after, tuple):
-                plan.copies.append(after)
-            elif after is not None:
-                plan.after.append(after)
+                got = iter(ray.get(refs, timeout=timeout))
+            except (ray.exceptions.RayError, TimeoutError) as exc:
+                raise WeightSyncError(
+                    f"a handle did not arrive ({type(exc).__name__}: {exc}); nothing was "
+                    f"written; sub.version stays {self.version}"
+                ) from exc
+            given = [next(got) if isinstance(h, ray.ObjectRef) else h for h in given]
+        for h in given:
+            if not isinstance(h, WeightsHandle):
+                raise TypeError(f"load takes WeightsHandles from publish, got {type(h).__name__}")
+        return given
+
+    def _version_of(self, ranks: list[WeightsHandle]) -> int:
+        versions = sorted({h.version for h in ranks})
+        if len(versions) > 1:
+            said = ", ".join(f"rank {r} has {h.version}" for r, h in enumerate(ranks))
+            raise WeightSyncError(
+                f"the handles are of different versions ({said}): load one version from "
+                "every rank at once; nothing was written"
+            )
+        version = versions[0]
+        if self.version is not None and version <= self.version:
+            raise WeightSyncError(
+                f"version {version} is not newer than the loaded one ({self.version}); "
+                "nothing was written"
+            )
+        return version
+
+    def _load_for(self, layouts: tuple[WeightsLayout, ...]) -> _Load:
+        key = tuple(layout.token for layout in layouts)
+        load = self._loads.get(key)
+        if load is None:
+            load = self._make_load(layouts)
+            self._loads = {key: load}  # one set of layouts at a time is what a loop uses
+        return load
+
+    def _make_load(self, layouts: tuple[WeightsLayout, ...]) -> _Load:
+        published = Published.of(layouts)
+        problems = self._name_problems(published)
+        rows, dests, loaded = self._target_rows(published, problems)
+        targets = boxes.Targets(*rows)
+        for t, messages in planner.check(published.index, targets).items():
+            problems.extend(f"{published.names[t]!r}: {m}" for m in messages)
         if problems:
             shown = "; ".join(problems[:_SHOWN])
             more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
             raise WeightSyncError(
-                f"the handle does not fit the target: {shown}{more}; nothing was written"
+                f"the handles do not fit the target: {shown}{more}; nothing was written"
             )
-        plan.ranges = Ranges.of_rows(rows, dests)
-        return plan
+        plan = planner.plan(published.index, targets, self._worker)
+        return _assembled(plan, dests)
 
-    def _name_problems(self, layout: WeightsLayout) -> list[str]:
+    def _name_problems(self, published: Published) -> list[str]:
         targets = self._targets.tensors
         if not self._strict:
-            if not set(layout.names) & set(targets):
+            if not set(published.number) & set(targets):
                 return ["no published name is in the target"]
             return []
-        published = set(layout.names)
         problems = [
-            f"{n!r} is published but not in the target" for n in layout.names if n not in targets
+            f"{n!r} is published but not in the target" for n in published.names if n not in targets
         ]
         problems += [
-            f"{n!r} is in the target but not published" for n in targets if n not in published
+            f"{n!r} is in the target but not published"
+            for n in targets
+            if n not in published.number
         ]
         return problems
 
-    def _check(self, layout: WeightsLayout, i: int, target: torch.Tensor) -> Any:
-        """The shard's slice of tensor ``i`` (None: whole), checked against ``target``."""
-        name, full, dtype = layout.names[i], layout.shapes[i], layout.dtypes[i]
-        spec = self._shard(name, full) if self._shard is not None else None
-        shape = full if spec is None else _sliced_shape(name, full, spec)
-        got = str(target.dtype).removeprefix("torch.")
+    def _target_rows(
+        self, published: Published, problems: list[str]
+    ) -> tuple[tuple[Any, ...], list[torch.Tensor], list[str]]:
+        """The target's boxes as ``boxes.Targets`` columns, the flat bytes of each
+        destination, and the names loaded; what does not fit goes to ``problems``."""
+        ndim = published.index.tensors.global_shape.shape[1]
+        tensor, start, shape, dests, loaded = [], [], [], [], []
+        for name, target in self._targets.tensors.items():
+            t = published.number.get(name)
+            if t is None:
+                continue
+            try:
+                box = self._box(name, target, published, t)
+            except WeightSyncError as exc:
+                problems.append(str(exc))
+                continue
+            tensor.append(t)
+            start.append(box[0])
+            shape.append(box[1])
+            dests.append(writable_bytes(local_of(target)))
+            loaded.append(name)
+        rows = (
+            np.asarray(tensor, np.int64),
+            boxes.pad(start, ndim, 0),
+            boxes.pad(shape, ndim),
+            np.arange(len(tensor), dtype=np.int64),
+            np.zeros(len(tensor), np.int64),
+        )
+        return rows, dests, loaded
+
+    def _box(
+        self, name: str, target: torch.Tensor, published: Published, t: int
+    ) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (start, shape) of the global tensor ``target`` holds, checked against it."""
+        full, dtype = published.global_shapes[t], published.dtypes[t]
+        local = local_of(target)
+        if is_dtensor(target):
+            global_shape, begin = dtensor_box(name, target)
+            if global_shape != full:
+                raise WeightSyncError(
+                    f"{name!r}: the target DTensor's global shape is {global_shape}, the "
+                    f"published tensor's {full}"
+                )
+            box = (begin, tuple(local.shape))
+        else:
+            spec = self._shard(name, full) if self._shard is not None else None
+            box = _sliced(name, full, spec)
+        got = str(local.dtype).removeprefix("torch.")
         if got != dtype:
             raise WeightSyncError(f"{name!r}: the target is {got}, the published tensor {dtype}")
-        if tuple(target.shape) != shape:
-            what = "its slice" if spec is not None else "the published tensor"
+        if tuple(local.shape) != box[1]:
+            what = "its slice" if box[1] != full else "the published tensor"
             raise WeightSyncError(
-                f"{name!r}: the target has shape {tuple(target.shape)}, {what} {shape}"
+                f"{name!r}: the target has shape {tuple(local.shape)}, {what} {box[1]}"
             )
-        if target.device.type != layout.device:
-            where = f"the published tensor on {layout.device}"
-            raise WeightSyncError(f"{name!r}: the target is on {target.device}, {where}")
-        if not target.is_contiguous():
+        if local.device.type != published.device:
+            where = f"the published tensor on {published.device}"
+            raise WeightSyncError(f"{name!r}: the target is on {local.device}, {where}")
+        if not local.is_contiguous():
             raise WeightSyncError(f"{name!r}: the target is not contiguous")
-        return spec
+        return box
 
 
-def _read_of(
-    layout: WeightsLayout, i: int, target: torch.Tensor, spec: Any
-) -> tuple[Row, torch.Tensor, After | None]:
-    """How tensor ``i`` is read into ``target``: a row of ranges, where it lands,
-    and what to do after (a blocked tensor read into scratch)."""
-    full, dtype = layout.shapes[i], layout.dtypes[i]
-    element = torch.empty((), dtype=torch_dtype(dtype)).element_size()
-    index, base = layout.index[i], layout.offsets[i]
-    block = layout.block_of(i)
-    if block is None:
-        return _slice_row(index, base, full, spec, element), writable_bytes(target), None
-    total = math.prod(full) * element
-    dim, parts = block
-    one, stride, size = total // parts, layout.block_stride(i), full[dim] // parts
-    start, stop = (0, full[dim]) if spec is None else (int(spec[1]), int(spec[2]))
-    aligned = start % size == 0 and stop % size == 0 and (spec is None or int(spec[0]) == dim)
-    if aligned and (stop - start == size or math.prod(full[:dim]) == 1):
-        # Whole blocks that are also whole stretches of the target (one block, or
-        # blocks of rows): read straight into it, block after block.
-        row = (index, base + start // size * stride, one, (stop - start) // size, stride)
-        return row, writable_bytes(target), None
-    # Every block, back to back into scratch, then into the target in logical order.
-    scratch = torch.empty(total, dtype=torch.uint8, device=target.device)
-    row = (index, base, total, 1, 0) if stride == one else (index, base, one, parts, stride)
-    logical = blocked_view(scratch.view(torch_dtype(dtype)), full, block)
-    if spec is None:  # views made once: each load is one copy (with the others)
-        return row, scratch, (target.unflatten(dim, (parts, size)), logical)
-    return row, scratch, functools.partial(_unblock, logical, target, dim, spec)
-
-
-def _unblock(logical: torch.Tensor, target: torch.Tensor, dim: int, spec: Any) -> None:
-    """Copy a slice of a blocked tensor (``logical``: its blocks read into scratch,
-    viewed as ``blocked_source``) into ``target``."""
-    sdim, start, stop = (int(v) for v in spec)
-    whole = logical.flatten(dim, dim + 1)  # a copy: the blocks are not in order
-    target.copy_(whole.narrow(sdim, start, stop - start))
-
-
-def _sliced_shape(name: str, full: tuple[int, ...], spec: Any) -> tuple[int, ...]:
+def _sliced(name: str, full: tuple[int, ...], spec: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The box a ``shard`` result names: the whole tensor for None."""
+    if spec is None:
+        return (0,) * len(full), full
     try:
         dim, start, stop = (int(v) for v in spec)
     except (TypeError, ValueError):
@@ -318,21 +418,22 @@ def _sliced_shape(name: str, full: tuple[int, ...], spec: Any) -> tuple[int, ...
         raise WeightSyncError(
             f"{name!r}: shard slice {(dim, start, stop)} does not fit shape {full}"
         )
-    return (*full[:dim], stop - start, *full[dim + 1 :])
+    begin = tuple(start if d == dim else 0 for d in range(len(full)))
+    return begin, (*full[:dim], stop - start, *full[dim + 1 :])
 
 
-def _slice_row(
-    index: int, base: int, full: tuple[int, ...], spec: Any, element: int
-) -> tuple[int, int, int, int, int]:
-    """The (index, offset, length, count, stride) row that reads a slice of a
-    row-major tensor starting at byte ``base``: ``count`` runs, ``stride`` apart."""
-    total = math.prod(full) * element
-    if spec is None:
-        return (index, base, total, 1, 0)
-    dim, start, stop = (int(v) for v in spec)
-    inner = math.prod(full[dim + 1 :]) * element
-    outer = math.prod(full[:dim])
-    run, stride = (stop - start) * inner, full[dim] * inner
-    if outer == 1 or run == stride:  # one contiguous run
-        return (index, base + start * inner, run * outer, 1, 0)
-    return (index, base + start * inner, run, outer, stride)
+def _read_all(load: _Load, payloads: list[Any], deadline: float | None) -> None:
+    """Every rank's ranges at once; the first failure stops the others."""
+    if len(load.reads) == 1:  # on this thread: it has ended when this returns
+        [(rank, ranges)] = load.reads
+        fetch_ranges(payloads[rank], ranges, deadline)
+        return
+    jobs = {
+        rank: functools.partial(fetch_ranges, payloads[rank], ranges, deadline, None)
+        for rank, ranges in load.reads
+    }
+    outcome = run_all(jobs, deadline)
+    if outcome.error is not None:
+        raise outcome.error
+    if outcome.late:
+        raise TimeoutError(f"ranks {outcome.late} had not sent their shards by the deadline")

@@ -19,147 +19,50 @@ tensor-parallel rank one run of bytes to read instead of one per row. Blocks
 are grouped by rank: block k of every blocked tensor (of the same number of
 parts) lies in region k of the slot, one after another, so a rank's whole
 shard of thousands of tensors is a few long spans of memory, not one short run
-per tensor with the other ranks' bytes between. A subscriber that loads a whole
-blocked tensor (or a slice that is not one block) reads its blocks into scratch
-memory and rearranges them locally.
+per tensor with the other ranks' bytes between.
+
+A sharded trainer publishes from every rank: each rank's publisher holds that
+rank's shard of each tensor (a DTensor's local shard, or a plain tensor whose
+``placement`` says where it lies) and its handle's layout says where each shard
+lies in its global tensor (``_layouts``). Subscribers load from all ranks' handles
+at once, each byte from a rank that holds it (``_subscriber``, ``_plan``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import pickle
 import secrets
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 import torch
 
-from raydirect import _compression as compression
 from raydirect import _native as native
 from raydirect import _ray
 from raydirect._collector import collector_paused
+from raydirect._layouts import (
+    Box,
+    WeightsHandle,
+    WeightsLayout,
+    dtensor_box,
+    is_dtensor,
+    local_of,
+    nbytes_of,
+    placed_box,
+    state_of,
+)
 from raydirect._producer import export
 from raydirect._store import store
 from raydirect._tensors import DTYPE_NAMES, aligned_offsets, torch_dtype
 from raydirect.errors import WeightSyncError
 from raydirect.transports.registry import AUTO, check_name
 
-
-def state_of(source: Any, what: str) -> dict[str, torch.Tensor]:
-    """The named tensors of an ``nn.Module`` (its ``state_dict()``, sharing the
-    parameters' memory) or of a ``dict[str, Tensor]``."""
-    if isinstance(source, torch.nn.Module):
-        # keep_vars: the parameters themselves, not new detached tensors each call,
-        # so that rd.wait_tensor_freed(param) sees what a depth=0 version holds.
-        return dict(source.state_dict(keep_vars=True))
-    if isinstance(source, Mapping):
-        state = dict(source)
-        for name, tensor in state.items():
-            if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
-                raise TypeError(
-                    f"{what} maps {name!r} to a {type(tensor).__name__}; give a dict of "
-                    "str -> torch.Tensor, or an nn.Module"
-                )
-        return state
-    raise TypeError(
-        f"{what} must be an nn.Module or a dict of tensors, got {type(source).__name__}"
-    )
-
-
-@dataclass(frozen=True)
-class WeightsLayout:
-    """Where each named tensor of a published version lies: tensor ``index[i]``
-    of the published object, from byte ``offsets[i]``. The same for every
-    version of one publisher until its weights change shape."""
-
-    names: tuple[str, ...]
-    shapes: tuple[tuple[int, ...], ...]
-    dtypes: tuple[str, ...]
-    index: tuple[int, ...]
-    offsets: tuple[int, ...]
-    device: str
-    token: bytes  # identifies the layout: subscribers cache their plans by it
-    # Per tensor, None or (dim, parts): stored as ``parts`` contiguous blocks along
-    # ``dim`` (block k: the slice [k * size / parts, (k + 1) * size / parts)).
-    blocks: tuple[tuple[int, int] | None, ...] = ()
-    # Per tensor, the bytes from the start of one block to the next (blocked tensors).
-    block_strides: tuple[int, ...] = ()
-
-    def block_of(self, i: int) -> tuple[int, int] | None:
-        return self.blocks[i] if self.blocks else None
-
-    def block_stride(self, i: int) -> int:
-        return self.block_strides[i]
-
-    def __reduce__(self) -> tuple[Any, tuple[bytes, bytes]]:
-        # Every handle carries its layout; a process that has seen this one (a
-        # subscriber, every step) takes it from its cache instead of rebuilding
-        # thousands of tuples (2 ms for 5,000 tensors): the fields travel as one blob,
-        # compressed (5,000 names and shapes: 300 KB raw, 20 KB packed), so a handle
-        # stays under Ray's inline limit instead of going through its object store.
-        blob = self.__dict__.get("_blob")
-        if blob is None:
-            fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-            blob = compression.pack(pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL))
-            object.__setattr__(self, "_blob", blob)
-        return (_layout_from, (self.token, blob))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(_nbytes(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True))
-
-
-_LAYOUTS_KEPT = 16
-_layouts: OrderedDict[bytes, WeightsLayout] = OrderedDict()
-_layouts_lock = threading.Lock()
-
-
-def _layout_from(token: bytes, blob: bytes) -> WeightsLayout:
-    with _layouts_lock:
-        layout = _layouts.get(token)
-    if layout is None:
-        layout = WeightsLayout(*pickle.loads(compression.unpack(blob)))
-        with _layouts_lock:
-            _layouts[token] = layout
-            if len(_layouts) > _LAYOUTS_KEPT:
-                _layouts.popitem(last=False)
-    return layout
-
-
-def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n * torch.empty((), dtype=torch_dtype(dtype)).element_size()
-
-
-@dataclass(frozen=True)
-class WeightsHandle:
-    """One published version: small, picklable, and travels wherever a ref goes
-    (returned from a method, nested in lists, borrowed). Holding it keeps the
-    version's slot from reuse."""
-
-    version: int
-    layout: WeightsLayout
-    ref: ray.ObjectRef
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return self.layout.names
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the whole version (a sharded load moves fewer)."""
-        return self.layout.nbytes
-
-
 Blocks = Callable[[str, tuple[int, ...]], "tuple[int, int] | None"]
+Placement = Callable[[str, tuple[int, ...]], Any]
 # Names, shapes and dtypes of a source as a publish saw them.
 _Seen = tuple[tuple[str, ...], list[tuple[int, ...]], list[torch.dtype]]
 
@@ -178,9 +81,14 @@ class WeightPublisher:
     ``dtype`` casts floating-point tensors at publish (integer and bool buffers
     keep theirs); ``depth`` is how many versions may be alive at once;
     ``tensor_transport`` is how consumers read them (never inline);
-    ``shard_blocks(name, full_shape)`` returns ``None`` or ``(dim, parts)``: that
+    ``shard_blocks(name, shape)`` returns ``None`` or ``(dim, parts)``: that
     tensor is stored as ``parts`` contiguous blocks along ``dim`` (see the module
-    docstring).
+    docstring). On a rank of a sharded trainer, ``source`` holds this rank's
+    shards: DTensor values say where they lie; for plain tensors
+    ``placement(name, local_shape)`` returns ``None`` (this rank holds the whole
+    tensor: a replica) or ``(global_shape, dim, start)`` (it holds
+    ``[start, start + local_shape[dim])`` of ``dim``). Placements other than
+    ``Shard(d)`` and ``Replicate()`` are refused here, naming the tensor.
     """
 
     def __init__(
@@ -191,8 +99,15 @@ class WeightPublisher:
         depth: int = 2,
         tensor_transport: str = AUTO,
         shard_blocks: Blocks | None = None,
+        placement: Placement | None = None,
     ) -> None:
-        state_of(source, "source")
+        if placement is not None and not callable(placement):
+            raise TypeError(
+                "placement= is a callable (name, local_shape) -> None | (global_shape, dim, "
+                f"start), got {placement!r}"
+            )
+        self._placement = placement
+        self._boxes_of(state_of(source, "source"))  # refuses what cannot be placed, now
         if shard_blocks is not None and (depth == 0 or not callable(shard_blocks)):
             raise ValueError(
                 "shard_blocks= is a callable (name, full_shape) -> None | (dim, parts) that "
@@ -234,10 +149,10 @@ class WeightPublisher:
             with collector_paused():  # thousands of shapes compared
                 layout = self._layout_of(state)
             if self._depth == 0:
-                value = [state[name] for name in layout.names]
+                value = [local_of(state[name]) for name in layout.names]
             else:
                 slot = self._free_slot(layout, timeout)
-                sources = [state[name] for name in layout.names]
+                sources = [local_of(state[name]) for name in layout.names]
                 if layout.blocks:
                     sources = [blocked_source(t, layout.block_of(i)) for i, t in enumerate(sources)]
                 with torch.no_grad():  # one call for every tensor; casts where dtype= says
@@ -250,18 +165,29 @@ class WeightPublisher:
 
     def _layout_of(self, state: dict[str, torch.Tensor]) -> WeightsLayout:
         names = tuple(state)
+        tensors = [local_of(t) for t in state.values()]
         # What the source looked like at the last publish, compared as torch's own
         # objects: 5,000 tensors cost a millisecond, not the eight of building tuples.
-        seen = _shapes_and_dtypes(names, list(state.values()))
+        seen = _shapes_and_dtypes(names, tensors)
         if self._layout is not None and seen == self._seen:
-            return self._layout
+            return self._layout  # a shard's box changes only with its shape
         self._seen = seen
-        shapes = tuple(tuple(t.shape) for t in state.values())
-        dtypes = tuple(self._published_dtype(t) for t in state.values())
+        shapes = tuple(tuple(t.shape) for t in tensors)
+        dtypes = tuple(self._published_dtype(t) for t in tensors)
+        placed = self._boxes_of(state)
+        global_shapes = tuple(g for g, _ in placed) if self._sharded else ()
+        starts = tuple(a for _, a in placed) if self._sharded else ()
         old = self._layout
-        if old is not None and (old.names, old.shapes, old.dtypes) == (names, shapes, dtypes):
+        new = (names, shapes, dtypes, global_shapes, starts)
+        if old is not None and new == (
+            old.names,
+            old.shapes,
+            old.dtypes,
+            old.global_shapes,
+            old.starts,
+        ):
             return old
-        devices = {t.device.type for t in state.values()}
+        devices = {t.device.type for t in tensors}
         if len(devices) > 1:
             raise WeightSyncError(f"the weights are on several device types {sorted(devices)}")
         blocks = self._blocks_of(names, shapes)
@@ -269,16 +195,44 @@ class WeightPublisher:
         if self._depth == 0:
             index, offsets = tuple(range(len(names))), (0,) * len(names)
         else:
-            sizes = [_nbytes(s, d) for s, d in zip(shapes, dtypes, strict=True)]
+            sizes = [nbytes_of(s, d) for s, d in zip(shapes, dtypes, strict=True)]
             offsets, strides = _slot_offsets(sizes, blocks)
             index = (0,) * len(names)
         self._slots = []  # a new layout: slots of the old one go once their handles do
         device = devices.pop() if devices else "cpu"
         token = secrets.token_bytes(16)
         self._layout = WeightsLayout(
-            names, shapes, dtypes, index, offsets, device, token, blocks, strides
+            names,
+            shapes,
+            dtypes,
+            index,
+            offsets,
+            device,
+            token,
+            blocks,
+            strides,
+            global_shapes,
+            starts,
         )
         return self._layout
+
+    @property
+    def _sharded(self) -> bool:
+        """Whether this rank's layout says where its shards lie (a placement, or DTensors)."""
+        return self._placement is not None or self._has_dtensors
+
+    def _boxes_of(self, state: dict[str, torch.Tensor]) -> list[Box]:
+        """Each tensor's global shape and the start of this rank's box in it."""
+        self._has_dtensors = any(is_dtensor(t) for t in state.values())
+        out: list[Box] = []
+        for name, tensor in state.items():
+            if is_dtensor(tensor):
+                out.append(dtensor_box(name, tensor))
+                continue
+            shape = tuple(tensor.shape)
+            spec = self._placement(name, shape) if self._placement is not None else None
+            out.append(placed_box(name, shape, spec) or (shape, (0,) * len(shape)))
+        return out
 
     def _blocks_of(
         self, names: tuple[str, ...], shapes: tuple[tuple[int, ...], ...]
@@ -364,7 +318,7 @@ def _new_slot(layout: WeightsLayout) -> _Slot:
     for i, (off, shape, dtype) in enumerate(
         zip(layout.offsets, layout.shapes, layout.dtypes, strict=True)
     ):
-        size, block = _nbytes(shape, dtype), layout.block_of(i)
+        size, block = nbytes_of(shape, dtype), layout.block_of(i)
         if block is not None:
             size = (block[1] - 1) * layout.block_stride(i) + size // block[1]
         spans.append((off, size))
