@@ -291,7 +291,7 @@ class Published:
     global_shapes: list[tuple[int, ...]]
     device: str
     index: SourceIndex
-    problems: dict[int, list[str]]  # disagreements and the boxes' own problems
+    problems: dict[int, list[str]]  # where the ranks disagree (a global shape, a dtype)
 
     @classmethod
     def of(cls, layouts: Sequence[WeightsLayout]) -> Published:
@@ -313,9 +313,8 @@ class Published:
         dtypes = [claims.dtype_names[c] for c in codes[:, 0].tolist()]
         itemsize = [torch.empty((), dtype=torch_dtype(d)).element_size() for d in dtypes]
         tensors = boxes.Tensors(np.asarray(itemsize, np.int64), shapes)
-        index = index_sources(tensors, boxes.Sources(*_pieces(layouts, number, claims.ndim)))
-        for t, messages in index.problems.items():
-            problems.setdefault(t, []).extend(messages)
+        sources = boxes.Sources(*_pieces(layouts, number, claims.ndim))
+        index = index_sources(tensors, sources)  # its problems: the boxes' own
         global_shapes = [
             tuple(shapes[t, claims.ndim - n :].tolist()) for t, n in enumerate(claims.ndims)
         ]

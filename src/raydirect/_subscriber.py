@@ -314,7 +314,10 @@ class WeightSubscriber:
         problems = self._name_problems(published)
         rows, dests, loaded = self._target_rows(published, problems)
         targets = boxes.Targets(*rows)
-        for t, messages in planner.check(published.index, targets).items():
+        found = planner.check(published.index, targets)
+        for t in set(rows[0].tolist()) & set(published.problems):
+            found.setdefault(t, [])[:0] = published.problems[t]  # disagreements first
+        for t, messages in sorted(found.items()):
             problems.extend(f"{published.names[t]!r}: {m}" for m in messages)
         if problems:
             shown = "; ".join(problems[:_SHOWN])
