@@ -106,7 +106,7 @@ class _SlowPool:
     ("module", "attribute", "make"),
     [
         (_producer, "_preparation_pool", lambda: _producer._preparer()),
-        (_api, "_pool", lambda: _api._fetch_pool()),
+        (_consumer, "_pool", lambda: _consumer.fetch_pool()),
         (_api, "_async_executor", lambda: _api._async_pool()),
     ],
     ids=["preparer", "fetch-pool", "async-pool"],

@@ -20,7 +20,7 @@ import ray
 from ray import cloudpickle
 
 import raydirect as rd
-from raydirect._api import _FETCH_THREADS
+from raydirect._consumer import _FETCH_THREADS
 
 from actors import Producer, check_value
 from helpers import shm_segments, wait_for
