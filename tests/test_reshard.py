@@ -5,6 +5,8 @@ actors, and real DTensors over real gloo worlds."""
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import sys
 from typing import Any
 
@@ -52,11 +54,14 @@ class Rank:
         dtypes: dict[str, Any] | None = None,
         claims: dict[str, tuple[int, ...]] | None = None,
         depth: int = 2,
+        transport: str = "auto",
     ) -> None:
         self.rank, self.split, self.dtypes = rank, split, dtypes or {}
         self.claims = claims or {}  # a global shape to claim instead of the true one
         self.local = {n: self._mine(n, t) for n, t in full(0).items()}
-        self.publisher = rd.WeightPublisher(self.local, placement=self._placement, depth=depth)
+        self.publisher = rd.WeightPublisher(
+            self.local, placement=self._placement, depth=depth, tensor_transport=transport
+        )
         self.held: list[Any] = []
 
     def _mine(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -275,4 +280,205 @@ def test_what_does_not_fit_is_refused_before_a_byte_moves(ray_session, case):
         assert _received(worker) == 0
     finally:
         for actor in (*ranks, worker):
+            _kill(actor)
+
+
+# ---------------------------------------------------------------- real DTensors
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@ray.remote(num_cpus=0)
+class DTensorMember:
+    """One process of a gloo world with a DeviceMesh: a trainer rank publishing
+    DTensors (FSDP2 keeps its parameters so), or an inference worker whose target
+    tensors are DTensors."""
+
+    def __init__(self, rank: int, world: int, port: int, mesh_shape: tuple[int, ...]) -> None:
+        import torch.distributed as dist
+        from torch.distributed.tensor import DeviceMesh
+
+        dist.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+        )
+        self.rank = rank
+        self.mesh = DeviceMesh("cpu", torch.arange(world).reshape(mesh_shape))
+
+    def make(self, placements: dict[str, list[str]], version: int) -> None:
+        """Every tensor of ``full(version)`` as a DTensor placed as named (collective)."""
+        from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor
+
+        def placement(p: str) -> Any:
+            if p == "replicate":
+                return Replicate()
+            if p == "partial":
+                return Partial()
+            return Shard(int(p.removeprefix("shard")))
+
+        self.state = {}
+        for name, tensor in full(version).items():
+            kinds = [placement(p) for p in placements[name]]
+            if "partial" in placements[name]:
+                from torch.distributed.tensor import DTensor
+
+                self.state[name] = DTensor.from_local(tensor.clone(), self.mesh, kinds)
+            else:
+                self.state[name] = distribute_tensor(tensor, self.mesh, kinds)
+
+    def try_publisher(self) -> str:
+        try:
+            self.publisher = rd.WeightPublisher(self.state)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "ok"
+
+    def publish(self, version: int) -> rd.WeightsHandle:
+        for name, tensor in full(version).items():  # a step: new values, in place
+            local = self.state[name].to_local()
+            from torch.distributed.tensor import distribute_tensor
+
+            fresh = distribute_tensor(tensor, self.mesh, self.state[name].placements)
+            local.copy_(fresh.to_local())
+        return self.publisher.publish(version, timeout=30)
+
+    def subscribe(self) -> None:
+        self.sub = rd.WeightSubscriber(self.state)
+
+    def load(self, handles: list[Any]) -> int:
+        return self.sub.load(handles, timeout=60)
+
+    def locals(self) -> dict[str, torch.Tensor]:
+        return {n: t.to_local().clone() for n, t in self.state.items()}
+
+    def expected(self, version: int) -> dict[str, torch.Tensor]:
+        """This member's local shards of ``full(version)`` (collective)."""
+        from torch.distributed.tensor import distribute_tensor
+
+        return {
+            n: distribute_tensor(t, self.mesh, self.state[n].placements).to_local()
+            for n, t in full(version).items()
+        }
+
+    def received(self) -> int:
+        return sum(rd.local_stats().bytes_received.values())
+
+
+def _world(size: int, mesh_shape: tuple[int, ...]) -> list[Any]:
+    port = _free_port()
+    return [DTensorMember.remote(r, size, port, mesh_shape) for r in range(size)]
+
+
+def test_dtensor_ranks_to_dtensor_workers_with_no_placement_or_shard(ray_session):
+    """A trainer's DTensors (rows, a replica, columns) to workers whose targets are
+    DTensors of another split on a 2-D mesh: no placement=, no shard=."""
+    trainers, workers = _world(2, (2,)), _world(2, (2, 1))
+    try:
+        ray.get(
+            [
+                t.make.remote({"w": ["shard0"], "norm": ["replicate"], "emb": ["shard1"]}, 0)
+                for t in trainers
+            ]
+        )
+        assert ray.get([t.try_publisher.remote() for t in trainers]) == ["ok", "ok"]
+        split = {
+            "w": ["shard1", "replicate"],
+            "norm": ["shard0", "replicate"],
+            "emb": ["replicate", "replicate"],
+        }
+        ray.get([w.make.remote(split, 0) for w in workers])
+        ray.get([w.subscribe.remote() for w in workers])
+        for version in (1, 2):
+            handles = [t.publish.remote(version) for t in trainers]
+            assert ray.get([w.load.remote(handles) for w in workers]) == [version, version]
+            got = ray.get([w.locals.remote() for w in workers])
+            want = ray.get([w.expected.remote(version) for w in workers])
+            for g, e in zip(got, want, strict=True):
+                assert all(torch.equal(g[n], e[n]) for n in e)
+        sizes = [sum(t.nbytes for t in w.values()) for w in want]
+        assert ray.get([w.received.remote() for w in workers]) == [2 * s for s in sizes]
+    finally:
+        for actor in (*trainers, *workers):
+            _kill(actor)
+
+
+def test_a_partial_dtensor_is_refused_at_construction_naming_it(ray_session):
+    trainers = _world(2, (2,))
+    try:
+        ray.get(
+            [
+                t.make.remote({"w": ["partial"], "norm": ["replicate"], "emb": ["shard0"]}, 0)
+                for t in trainers
+            ]
+        )
+        message = ray.get(trainers[0].try_publisher.remote())
+        assert message.startswith("WeightSyncError: 'w' is a DTensor placed as Partial"), message
+    finally:
+        for actor in trainers:
+            _kill(actor)
+
+
+# ---------------------------------------------------------------- failures
+
+
+def _kill_pid(actor: Any) -> None:
+    """Kill the process itself and wait until it is gone (``ray.kill`` marks it dead
+    before its memory is)."""
+    pid = ray.get(actor.pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not os.path.exists(f"/proc/{pid}"), timeout=30, what="the process to exit")
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_rank_that_dies_gives_a_clear_error_and_the_version_stays(ray_session, when):
+    # tcp: the producer's agent sends the bytes, so a frozen rank holds its part back
+    ranks = [Rank.remote(r, ROWS_SPLIT, transport="tcp") for r in range(2)]
+    worker = Worker.remote(0, COLS_SPLIT)
+    try:
+        assert ray.get(worker.load.remote([r.publish.remote(1) for r in ranks])) == 1
+        handles = [r.publish.remote(2) for r in ranks]
+        ray.wait(handles, num_returns=2)
+        if when == "before":
+            _kill_pid(ranks[1])
+            pending = worker.try_load.remote(handles, 30)
+        else:  # rank 1 frozen: the load waits on it, then it dies
+            pid = ray.get(ranks[1].pid.remote())
+            os.kill(pid, signal.SIGSTOP)
+            pending = worker.try_load.remote(handles, 30)
+            wait_for(
+                lambda: _received(worker) > ray.get(worker.slice_bytes.remote()),
+                what="rank 0's part of the load to arrive",
+            )
+            os.kill(pid, signal.SIGKILL)
+        message = ray.get(pending, timeout=60)
+        assert message.startswith("WeightSyncError") and "sub.version stays 1" in message, message
+        if when == "before":  # Ray may still hand out its object's value, or not
+            assert message.endswith(("[cause: OwnerDiedError]", "[cause: ProducerLostError]"))
+        else:
+            assert "failed midway" in message and "[cause: ProducerLostError]" in message
+        assert ray.get(worker.version.remote()) == 1
+    finally:
+        for actor in (*ranks, worker):
+            _kill(actor)
+
+
+def test_a_worker_that_dies_holding_handles_never_stalls_the_ranks(ray_session):
+    ranks = [Rank.remote(r, ROWS_SPLIT, depth=2) for r in range(2)]
+    worker = Worker.remote(0, COLS_SPLIT)
+    try:
+        for version in (1, 2):  # both slots of each rank, held by the worker alone
+            handles = [r.publish.remote(version) for r in ranks]
+            assert ray.get(worker.load.remote(handles)) == version
+            ray.get(worker.hold.remote(handles))
+            del handles
+        with pytest.raises(ray.exceptions.RayTaskError, match="slots are still held"):
+            ray.get(ranks[0].publish.remote(3, 1.0))
+        _kill_pid(worker)
+        # Ray's reference counting drops the dead worker's borrowed handles.
+        assert ray.get([r.publish.remote(4, 60.0) for r in ranks], timeout=120)
+    finally:
+        for actor in ranks:
             _kill(actor)

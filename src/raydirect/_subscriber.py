@@ -248,12 +248,8 @@ class WeightSubscriber:
         if self._targets.changed():
             self._loads.clear()  # made for memory the target no longer uses
         load = self._load_for(tuple(h.layout for h in ranks))
-        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        payloads = self._payloads(ranks, deadline, version)
         try:
-            values = get_deferred([h.ref for h in ranks], remaining)
-            payloads = [v.payload for v in values if isinstance(v, PendingFetch)]
-            if len(payloads) != len(values):
-                raise WeightSyncError("a handle's object holds no raydirect tensors")
             _read_all(load, payloads, deadline)
             load.finish()
         except (RaydirectError, ray.exceptions.RayError, TimeoutError) as exc:
@@ -284,6 +280,24 @@ class WeightSubscriber:
             if not isinstance(h, WeightsHandle):
                 raise TypeError(f"load takes WeightsHandles from publish, got {type(h).__name__}")
         return given
+
+    def _payloads(
+        self, ranks: list[WeightsHandle], deadline: float | None, version: int
+    ) -> list[Any]:
+        """Each rank's version object, not fetched yet (no byte has moved)."""
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            values = get_deferred([h.ref for h in ranks], remaining)
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            raise WeightSyncError(
+                f"version {version}'s objects could not be had ({type(exc).__name__}: {exc}): "
+                "a rank that published it died, or is unreachable; nothing was written; "
+                f"sub.version stays {self.version}"
+            ) from exc
+        payloads = [v.payload for v in values if isinstance(v, PendingFetch)]
+        if len(payloads) != len(values):
+            raise WeightSyncError("a handle's object holds no raydirect tensors")
+        return payloads
 
     def _version_of(self, ranks: list[WeightsHandle]) -> int:
         versions = sorted({h.version for h in ranks})
