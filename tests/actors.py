@@ -139,7 +139,8 @@ class Producer:
         return t
 
     @rd.method
-    def keep(self, key: str, n: int = 1000) -> torch.Tensor:
+    def keep(self, key: str, n: int = 20_000) -> torch.Tensor:
+        """A tensor kept here (80 KB by default: above the inline limit, a direct object)."""
         self.kept[key] = torch.arange(n, dtype=torch.float32)
         return self.kept[key]
 

@@ -168,9 +168,9 @@ def test_unknown_transport_names_the_known_ones(pair):
 def test_local_stats_count_objects_and_bytes(pair):
     p, c = pair
     wait_for(lambda: ray.get(p.stats.remote()).num_objects == 0, what="store empty")
-    ref = p.keep.remote("stats", 1000)
+    ref = p.keep.remote("stats", 20_000)
     stats = ray.get(p.stats.remote())
-    assert stats.num_objects == 1 and stats.num_bytes == 4000
+    assert stats.num_objects == 1 and stats.num_bytes == 80_000
     ray.get(c.summarize.remote(ref))
     assert ray.get(p.stats.remote()).objects_sent.get("cma", 0) >= 1
     del ref

@@ -38,7 +38,7 @@ def _row(pid: int) -> dict[str, Any] | None:
 
 def test_status_shows_holders_per_transport_and_transfer_counters(ray_session):
     p, c = Producer.remote(), Consumer.remote()
-    kept = p.keep.remote("status", 2500)  # auto, 10000 bytes, stays held
+    kept = p.keep.remote("status", 25_000)  # auto, 100,000 bytes, stays held
     over_tcp = p.value_tcp.remote("dtypes")  # stays held too
     assert ray.get(c.check.remote("dtypes", over_tcp)) is None
     pid, cpid = _worker(p)["pid"], _worker(c)["pid"]
@@ -64,8 +64,8 @@ def test_status_shows_holders_per_transport_and_transfer_counters(ray_session):
     held = mine[0]["stats"]
     assert held["num_objects"] == 2
     assert held["objects_held"] == {"auto": 1, "tcp": 1}
-    assert held["bytes_held"]["auto"] == 10000
-    assert held["num_bytes"] == 10000 + held["bytes_held"]["tcp"]
+    assert held["bytes_held"]["auto"] == 100_000
+    assert held["num_bytes"] == 100_000 + held["bytes_held"]["tcp"]
     assert (
         held["objects_sent"]["tcp"] == 1 and held["bytes_sent"]["tcp"] == held["bytes_held"]["tcp"]
     )
@@ -120,7 +120,7 @@ def _scrape(node_id: str) -> dict[tuple[str, str, str], float]:
 
 def test_counters_reach_rays_metrics_endpoint(ray_session):
     p, c = Producer.remote(), Consumer.remote()
-    kept = p.keep.remote("metrics", 2500)  # auto, 10000 bytes
+    kept = p.keep.remote("metrics", 25_000)  # auto, 100,000 bytes
     assert ray.get(c.check.remote("dtypes", p.value.remote("dtypes"))) is None
     producer, consumer = _worker(p), _worker(c)
     pw, cw = producer["worker_id"], consumer["worker_id"]
@@ -129,7 +129,7 @@ def test_counters_reach_rays_metrics_endpoint(ray_session):
         samples = _scrape(producer["node_id"])
         ok = (
             samples.get(("ray_raydirect_objects_held", pw, "auto")) == 1
-            and samples.get(("ray_raydirect_bytes_held", pw, "auto")) == 10000
+            and samples.get(("ray_raydirect_bytes_held", pw, "auto")) == 100_000
             and any(k[0] == "ray_raydirect_objects_sent_total" and k[1] == pw for k in samples)
             and any(k[0] == "ray_raydirect_bytes_received_total" and k[1] == cw for k in samples)
         )

@@ -17,6 +17,7 @@ import ray
 import torch
 
 import raydirect as rd
+from raydirect import _ray
 from raydirect.transports.shm import sweep_after_shutdown
 
 MiB = 1 << 20
@@ -117,7 +118,7 @@ def run_demo(quick: bool = False) -> int:
         print(f"{'size':>8}  {'system':<18} {'GB/s':>7}  {'vs object store':>15}")
         for nbytes, system, rate, ratio in rows:
             print(f"{nbytes // MiB:>4} MiB  {system:<18} {rate:>7.2f}  {ratio:>14.1f}x")
-        stats = ray.get(producer.__ray_call__.remote(lambda self: rd.local_stats()))
+        stats = ray.get(_ray.run_in_actor(producer, lambda self: rd.local_stats()))
         print(
             f"\nproducer served {sum(stats.objects_sent.values())} objects directly "
             f"({', '.join(f'{k}: {v}' for k, v in sorted(stats.objects_sent.items()))}); "
