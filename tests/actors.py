@@ -56,6 +56,12 @@ def make_value(case: str) -> Any:
             "strings": np.array(["x", "yz"]),
             "tensor": base,
         }
+    if case == "large":  # above the inline limit: under auto, a direct object
+        return {
+            "f32": torch.randn(256, 128, generator=g),
+            "i64": torch.arange(1000),
+            "view": torch.arange(40_000, dtype=torch.float32)[100:30_000:3],
+        }
     if case == "no_tensors":
         return {"a": 1, "b": [1, 2, "three"], "c": None}
     if case == "grad_state":  # a state dict (the fast path) with a tensor that wants grad

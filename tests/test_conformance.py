@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import ray
 
 import raydirect as rd
 import raydirect.testing
@@ -25,6 +26,16 @@ class TestAuto(raydirect.testing.TransportConformance):
 
         [ref] = ray.get(self.producer.put.remote(case, "auto", self.data_type))
         return ref
+
+    def test_values_arrive_exactly_over_this_transport(self):
+        """Under auto, a value of at most the inline limit comes with Ray's reply
+        (nothing moved by a transport); the large one moves over cma."""
+        for case in raydirect.testing.CASES:
+            before = self._received()
+            problem = ray.get(self.consumer.check.remote(case, self._put(case), self.data_type))
+            assert problem is None, f"{case}: {problem}"
+            moved = self._received() - before
+            assert moved == (case == "large"), f"{case}: {moved} objects moved by cma"
 
 
 class TestCma(raydirect.testing.TransportConformance):

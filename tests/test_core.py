@@ -14,7 +14,7 @@ import ray
 import zmq
 
 import raydirect as rd
-from raydirect import _api, _broadcast, _consumer, _into, _producer, _wire
+from raydirect import _api, _broadcast, _choice, _consumer, _into, _producer, _wire
 from raydirect._payload import ProducerInfo
 
 import actors
@@ -142,8 +142,8 @@ def _producer_info(token: bytes, pid: int = 4242) -> ProducerInfo:
 
 
 def test_refused_transports_forget_a_restarted_producer_and_stay_bounded(monkeypatch):
-    monkeypatch.setattr(_consumer, "_REFUSALS_KEPT", 4)
-    refusals = _consumer._Refusals()
+    monkeypatch.setattr(_choice, "_REFUSALS_KEPT", 4)
+    refusals = _choice._Refusals()
     before = _producer_info(secrets.token_bytes(16))
     refusals.add(before)
     restarted = _producer_info(secrets.token_bytes(16))  # same node and pid, new process

@@ -13,7 +13,7 @@ from actors import check_value, make_value
 
 
 @pytest.mark.parametrize("method", ["value", "value_tcp", "value_shm"])
-@pytest.mark.parametrize("case", ["dtypes", "views", "params"])
+@pytest.mark.parametrize("case", ["dtypes", "views", "params", "large"])
 def test_into_receives_into_the_given_tensors(pair, method, case):
     p, c = pair
     ref = getattr(p, method).remote(case)

@@ -26,7 +26,7 @@ cloudpickle.register_pickle_by_value(plugin_transports)
 
 def make_value() -> dict[str, Any]:
     return {
-        "f32": jnp.arange(1000, dtype=jnp.float32).reshape(10, 100),
+        "f32": jnp.arange(20_000, dtype=jnp.float32).reshape(200, 100),  # 80 KB: not inline
         "bf16": jnp.linspace(-2, 2, 35, dtype=jnp.bfloat16).reshape(5, 7),
         "i32": jnp.arange(3, dtype=jnp.int32),
         "empty": jnp.zeros((0, 4), dtype=jnp.float32),

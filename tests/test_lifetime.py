@@ -22,8 +22,8 @@ def held(p) -> int:
 def test_freed_when_last_ref_dropped(pair):
     p, c = pair
     wait_for(lambda: held(p) == 0, what="empty store")
-    ref = p.value.remote("dtypes")
-    assert ray.get(c.check.remote("dtypes", ref)) is None
+    ref = p.value.remote("large")  # a direct object (a small one would go inline)
+    assert ray.get(c.check.remote("large", ref)) is None
     assert held(p) == 1
     del ref
     wait_for(lambda: held(p) == 0, what="object freed")
@@ -32,11 +32,11 @@ def test_freed_when_last_ref_dropped(pair):
 def test_borrower_holding_nested_ref_keeps_object(pair):
     p, c = pair
     wait_for(lambda: held(p) == 0, what="empty store")
-    ref = p.value.remote("views")
+    ref = p.value.remote("large")
     ray.get(c.hold.remote([ref]))  # c borrows a nested ref
     del ref
     # The driver's ref is gone; the borrower's keeps the object alive and readable.
-    assert ray.get(c.check_held.remote("views")) is None
+    assert ray.get(c.check_held.remote("large")) is None
     assert held(p) == 1
     ray.get(c.drop.remote())
     wait_for(lambda: held(p) == 0, what="freed after the borrower dropped it")
@@ -46,9 +46,9 @@ def test_ref_deleted_before_the_consumer_task_ran(pair):
     p, c = pair
     blocker = Consumer.options(max_concurrency=2).remote()
     gate = blocker.wait_gate.remote(60)
-    ref = p.value.remote("aliasing")
+    ref = p.value.remote("large")
     # The task cannot start before ``gate`` resolves; meanwhile only it holds ``ref``.
-    result = c.check_after.remote("aliasing", ref, gate)
+    result = c.check_after.remote("large", ref, gate)
     del ref
     assert held(p) >= 1
     ray.get(blocker.open_gate.remote())
@@ -79,17 +79,17 @@ def test_many_objects_leave_nothing_behind(pair):
 
 def test_producer_blocked_forever_still_serves(pair):
     p, c = pair
-    ref = p.value.remote("dtypes")
+    ref = p.value.remote("large")
     ray.wait([ref])
     p.block_forever.remote()  # the actor's only thread never returns
     for transport in ("tcp", "shm", "cma", "auto"):
-        assert check_value("dtypes", rd.get(ref, timeout=30, tensor_transport=transport)) is None
-    assert ray.get(c.check.remote("dtypes", ref), timeout=30) is None
+        assert check_value("large", rd.get(ref, timeout=30, tensor_transport=transport)) is None
+    assert ray.get(c.check.remote("large", ref), timeout=30) is None
 
 
 def test_killed_producer_gives_clear_error_in_bounded_time(ray_session):
     p, c = Producer.remote(), Consumer.remote()
-    refs = [p.value_shm.remote("dtypes"), p.value_tcp.remote("dtypes"), p.value.remote("dtypes")]
+    refs = [p.value_shm.remote("dtypes"), p.value_tcp.remote("dtypes"), p.value.remote("large")]
     assert ray.get(c.check.remote("dtypes", refs[0])) is None  # staged in a segment
     pid = ray.get(p.pid.remote())
     os.kill(pid, signal.SIGKILL)

@@ -31,6 +31,7 @@ TRANSPORTS = ["cma", "shm", "tcp", "gloo"]
 LOAD_BOUND_S = 120.0  # one transport's 800 transfers, on a loaded 2-core machine
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+CASE = "large"  # above the inline limit: every ref is a transfer
 
 
 @ray.remote(num_cpus=0)
@@ -42,7 +43,7 @@ class Loader:
 
     def read(self, refs: list[ray.ObjectRef], transport: str | None) -> list[str | None]:
         values = rd.get(refs, timeout=LOAD_BOUND_S, tensor_transport=transport)
-        return [check_value("dtypes", v) for v in values]
+        return [check_value(CASE, v) for v in values]
 
     def received(self) -> dict[str, int]:
         return rd.local_stats().objects_received
@@ -63,7 +64,7 @@ def cluster(ray_session) -> Iterator[tuple[list[Any], list[Any]]]:
 def _round(producers: list[Any], consumers: list[Any], transport: str, refs: int) -> float:
     method = "value_gloo" if transport == "gloo" else "value"
     batches = [
-        [getattr(producers[i % 2], method).remote("dtypes") for i in range(refs)] for _ in consumers
+        [getattr(producers[i % 2], method).remote(CASE) for i in range(refs)] for _ in consumers
     ]
     ray.wait([r for batch in batches for r in batch], num_returns=refs * len(consumers))
     forced = None if transport == "gloo" else transport

@@ -29,7 +29,7 @@ from ray.actor import ActorHandle
 
 from raydirect import _ray
 from raydirect._api import get
-from raydirect._payload import PendingFetch, get_deferred
+from raydirect._payload import Payload, PendingFetch, get_deferred
 from raydirect._producer import export
 from raydirect.transports.registry import AUTO
 
@@ -81,7 +81,8 @@ def broadcast(
     if not all(isinstance(a, ActorHandle) for a in actors):
         raise TypeError("rd.broadcast delivers to actors: pass a list of actor handles")
     [value] = get_deferred([ref], timeout)
-    if not isinstance(value, PendingFetch) or len(actors) < 2:
+    direct = isinstance(value, PendingFetch) and isinstance(value.payload, Payload)
+    if not direct or len(actors) < 2:  # an inline value came with the ref itself
         return [ref] * len(actors)  # nothing to share: every reader reads as usual
     nodes = _nodes_of(actors, timeout)
     by_node: dict[str, list[int]] = {}

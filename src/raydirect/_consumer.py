@@ -43,7 +43,7 @@ from raydirect._into import (
     take_hint,
     writable_bytes,
 )
-from raydirect._payload import PREPARING, Payload, check_usable_here, join
+from raydirect._payload import PREPARING, InlinePayload, Payload, check_usable_here, join
 from raydirect._ranges import ByteViews, Ranges
 from raydirect._store import StoredObject, store
 from raydirect._tensors import (
@@ -93,7 +93,7 @@ def _allocatable(device: str, name: str) -> str:
 
 
 def fetch_tensors(
-    payload: Payload,
+    payload: Payload | InlinePayload,
     deadline: float | None = None,
     forced: str | None = None,
     into: dict[int, Any] | None = None,
@@ -107,6 +107,8 @@ def fetch_tensors(
     ``gate`` (the calling ``rd.get``'s, when it reads several refs) is open."""
     into = into or {}
     metas = payload.metas
+    if isinstance(payload, InlinePayload):  # the tensors came with the value
+        return on_device(_fill(list(payload.tensors), into, gate), metas, device)
     if payload.producer.process_token == _process.PROCESS_TOKEN:
         obj = _own_object(payload)
         store.count_received("local", obj.nbytes)
@@ -365,7 +367,7 @@ def _receive_plugin(name: str, payload: Payload, deadline: float | None) -> list
 
 
 def fetch_value(
-    payload: Payload,
+    payload: Payload | InlinePayload,
     deadline: float | None = None,
     forced: str | None = None,
     targets: dict[int, Any] | None = None,

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from raydirect import _native as native
-from raydirect._payload import Payload, join, state_dict_index, state_dict_keys
+from raydirect._payload import InlinePayload, Payload, join, state_dict_index, state_dict_keys
 from raydirect._tensors import (
     DTYPE_NAMES,
     KIND_TORCH,
@@ -146,7 +146,9 @@ def _fits(into: DescribedTargets, metas: TensorMetas, order: Sequence[int]) -> b
     )
 
 
-def _match_described(payload: Payload, into: DescribedTargets) -> MatchedTargets | None:
+def _match_described(
+    payload: Payload | InlinePayload, into: DescribedTargets
+) -> MatchedTargets | None:
     """``into`` matched by key, when every target fits; None sends the caller
     through the checks one by one (which name what does not fit)."""
     keys, index = state_dict_keys(payload.skeleton), state_dict_index(payload.skeleton)
@@ -166,7 +168,9 @@ def _match_described(payload: Payload, into: DescribedTargets) -> MatchedTargets
     return found
 
 
-def match(payload: Payload, into: Any, described: DescribedTargets | None = None) -> dict[int, Any]:
+def match(
+    payload: Payload | InlinePayload, into: Any, described: DescribedTargets | None = None
+) -> dict[int, Any]:
     """The target for each of ``payload``'s tensors that ``into`` covers, by index
     (``described``: ``into`` as ``describe_targets`` gave it).
 
@@ -189,7 +193,7 @@ def match(payload: Payload, into: Any, described: DescribedTargets | None = None
     return found
 
 
-def _match_structure(payload: Payload, into: Any) -> dict[int, Any]:
+def _match_structure(payload: Payload | InlinePayload, into: Any) -> dict[int, Any]:
     index = state_dict_index(payload.skeleton)
     if index is not None and isinstance(into, Mapping) and into.keys() <= index.keys():
         return {index[k]: t for k, t in into.items() if t is not None}  # a state dict: in bulk
@@ -227,7 +231,7 @@ def _is_target(obj: Any) -> bool:
     return isinstance(obj, (torch.Tensor, np.ndarray))
 
 
-def _check_all(payload: Payload, found: dict[int, Any]) -> None:
+def _check_all(payload: Payload | InlinePayload, found: dict[int, Any]) -> None:
     if _all_fit(payload.metas, found):
         return
     seen: dict[int, str] = {}

@@ -20,6 +20,7 @@ import functools
 import io
 import itertools
 import pickle
+import secrets
 import threading
 import weakref
 from collections.abc import Callable
@@ -111,13 +112,13 @@ deferred = _Deferred()
 class PendingFetch:
     """Returned by a rebuild under ``rd.get``: the fetch starts once every ref is resolved."""
 
-    payload: Payload
+    payload: Payload | InlinePayload
 
 
-_fetcher: Callable[[Payload], Any] | None = None
+_fetcher: Callable[[Payload | InlinePayload], Any] | None = None
 
 
-def set_fetcher(fetch: Callable[[Payload], Any]) -> None:
+def set_fetcher(fetch: Callable[[Payload | InlinePayload], Any]) -> None:
     """Register what turns a Payload into its value in this process (the consumer
     layer does, when it is imported; ``import raydirect`` imports it)."""
     global _fetcher
@@ -218,23 +219,78 @@ class InlineValue:
     originals: list[Any]
     handles: list[Any]
     keys: list[int]
+    label: str  # who made it, for messages
+    # Names it for ``rd.set_target``, as a direct object's id does.
+    obj_id: bytes = field(default_factory=lambda: secrets.token_bytes(16))
 
     @classmethod
-    def of(cls, parts: SplitValue) -> InlineValue:
+    def of(cls, parts: SplitValue, label: str) -> InlineValue:
         keys = [_inline_key(original) for original in parts.originals]
-        return cls(parts.skeleton, parts.originals, parts.handles, keys)
+        return cls(parts.skeleton, parts.originals, parts.handles, keys, label)
 
     def __reduce__(self):
-        state = (_process.PROCESS_TOKEN, self.skeleton, self.originals, self.handles, self.keys)
+        state = (
+            _process.PROCESS_TOKEN,
+            self.obj_id,
+            self.label,
+            self.skeleton,
+            self.originals,
+            self.handles,
+            self.keys,
+        )
         return (_rebuild_inline, state)
 
 
+class _Made:
+    """Who made an inline value, as a ``ProducerInfo`` says it in messages."""
+
+    __slots__ = ("label",)
+
+    def __init__(self, label: str) -> None:
+        self.label = label
+
+    def describe(self) -> str:
+        return self.label
+
+
+@dataclass(slots=True)
+class InlinePayload:
+    """An inlined value rebuilt where a read still chooses where its tensors land
+    (``rd.get(into=..., device=...)``, ``rd.set_target``): they came with it, and
+    are copied into the caller's tensors as a fetched object's would be read."""
+
+    obj_id: bytes
+    skeleton: bytes
+    handles: list[Any]
+    tensors: list[Any]
+    producer: _Made
+    _metas: TensorMetas | None = None
+
+    @property
+    def metas(self) -> TensorMetas:
+        if self._metas is None:
+            views = [as_tensor(t) for t in self.tensors]  # what split found: never None
+            self._metas = describe_all(self.tensors, views).metas  # type: ignore[arg-type]
+        return self._metas
+
+
 def _rebuild_inline(
-    token: bytes, skeleton: bytes, tensors: list[Any], handles: list[Any], keys: list[int]
+    token: bytes,
+    obj_id: bytes,
+    label: str,
+    skeleton: bytes,
+    tensors: list[Any],
+    handles: list[Any],
+    keys: list[int],
 ) -> Any:
     if token == _process.PROCESS_TOKEN:
         tensors = [_inline_original(k, t) for k, t in zip(keys, tensors, strict=True)]
-    return join(skeleton, tensors, handles)
+    payload = InlinePayload(obj_id, skeleton, handles, tensors, _Made(label))
+    if deferred.active:
+        return PendingFetch(payload)
+    if _fetcher is None:
+        return join(skeleton, tensors, handles)
+    return _fetcher(payload)  # where an rd.set_target hint says, if any
 
 
 def _inline_original(key: int, received: Any) -> Any:

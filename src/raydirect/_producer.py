@@ -201,7 +201,7 @@ def _export(value: Any, transport: str, label: str | None, inline: bool) -> Any:
     if not parts.tensors:
         return value
     if inline and transport == AUTO and _inline(parts.metas):
-        return InlineValue.of(parts)
+        return InlineValue.of(parts, label)
     _check_devices(transport, parts.metas, label)
     _forget_earlier_sessions()
     agent = _runtime.agent()

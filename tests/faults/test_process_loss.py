@@ -81,7 +81,7 @@ def test_producer_killed_before_or_after_a_transfer(reader, phase):
     p_pid = ray.get(p.pid.remote())
     for transport in TRANSPORTS:
         warm(p, r, transport)
-    refs = {t: p.value.remote("dtypes") for t in TRANSPORTS}
+    refs = {t: p.value.remote("large") for t in TRANSPORTS}  # direct objects
     ray.wait(list(refs.values()), num_returns=len(refs))
     if phase == "after":
         for transport, ref in refs.items():
@@ -100,7 +100,7 @@ def test_producer_killed_before_or_after_a_transfer(reader, phase):
         assert "Producer.value" in result["message"], result
         assert seconds < DETECT_BOUND_S
     if phase == "after":  # what arrived before the death is the consumer's own, intact
-        assert ray.get(r.check_kept.remote("dtypes")) is None
+        assert ray.get(r.check_kept.remote("large")) is None
     settle(fds_back(baseline))
     settle(shm_back(shm_before, p_pid, r_pid))
     assert ray.get(r.stats.remote()).num_objects == 0
@@ -183,7 +183,7 @@ def test_consumer_killed_during_a_large_transfer(reader, transport):
     settle(shm_back(shm_before, p_pid, r_pid))
     # The producer serves others as before.
     other = Reader.remote()
-    assert ray.get(other.read.remote([p.value.remote("dtypes")], transport, 60))["ok"]
+    assert ray.get(other.read.remote([p.value.remote("large")], transport, 60))["ok"]
     ray.kill(other)
     ray.kill(p)
 
