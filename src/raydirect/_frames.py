@@ -24,6 +24,7 @@ import hmac
 import os
 import socket
 import struct
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ from raydirect._tls import (
 )
 
 FRAME_BYTES = 1 << 20
+_RECV_BYTES = 16 << 20  # per recv_into call: bounded time between deadline checks
 _DIRECT_BYTES = 64 << 10  # pieces this large are sealed straight from their memory
 _LENGTH = struct.Struct("<I")
 _TAG = 16
@@ -57,17 +59,22 @@ def frame_key(server_random: bytes, client_random: bytes) -> bytes:
     return hmac.new(server_random, b"raydirect frames v1" + client_random, hashlib.sha256).digest()
 
 
-def recv_exactly_into(sock: Any, view: memoryview, check: Check = _no_check) -> None:
-    """Fill ``view`` from ``sock`` (a socket or an SSL socket); ``check`` at each timeout."""
+def recv_exactly_into(
+    sock: Any, view: memoryview, check: Check = _no_check, deadline: float | None = None
+) -> None:
+    """Fill ``view`` from ``sock`` (a socket or an SSL socket); ``check`` at each
+    timeout, and ``TimeoutError`` past ``deadline`` even while bytes flow."""
     while len(view):
         try:
-            got = sock.recv_into(view, len(view))
+            got = sock.recv_into(view, min(len(view), _RECV_BYTES))
         except TimeoutError:
             check()
             continue
         if got == 0:
             raise ConnectionError("the peer closed the stream midway")
         view = view[got:]
+        if deadline is not None and len(view) and time.monotonic() > deadline:
+            raise TimeoutError("the stream did not finish before the deadline")
 
 
 class Link:
@@ -91,9 +98,11 @@ class Link:
         for piece in pieces:
             self.sock.sendall(piece)
 
-    def recv_pieces(self, pieces: list[memoryview], check: Check = _no_check) -> None:
+    def recv_pieces(
+        self, pieces: list[memoryview], check: Check = _no_check, deadline: float | None = None
+    ) -> None:
         for piece in pieces:
-            recv_exactly_into(self.sock, piece, check)
+            recv_exactly_into(self.sock, piece, check, deadline)
 
     def close(self) -> None:
         self.sock.close()
@@ -153,7 +162,7 @@ class FramedLink(Link):
         self._flush()
 
     # -- receiving
-    def _open(self, check: Check, room: int) -> tuple[memoryview, int]:
+    def _open(self, check: Check, room: int, deadline: float | None) -> tuple[memoryview, int]:
         """Read one frame's sealed bytes (at most ``room`` plain bytes): (ciphertext
         with tag, plain length)."""
         sealed = memoryview(self._sealed)
@@ -162,7 +171,7 @@ class FramedLink(Link):
         if n > min(room, FRAME_BYTES) or n == 0:
             raise ConnectionError(f"corrupt stream: a frame of {n} bytes where {room} are due")
         body = sealed[_LENGTH.size : _LENGTH.size + n + _TAG]
-        recv_exactly_into(self.sock, body, check)
+        recv_exactly_into(self.sock, body, check, deadline)
         return body, n
 
     def _decrypt(self, body: memoryview, n: int, out: memoryview) -> None:
@@ -179,12 +188,14 @@ class FramedLink(Link):
         self.recv_pieces([memoryview(buf)], check)
         return bytes(buf)
 
-    def recv_pieces(self, pieces: list[memoryview], check: Check = _no_check) -> None:
+    def recv_pieces(
+        self, pieces: list[memoryview], check: Check = _no_check, deadline: float | None = None
+    ) -> None:
         pieces = [p for p in pieces if len(p)]
         room = sum(len(p) for p in pieces)
         plain = memoryview(self._plain)
         while pieces:
-            body, n = self._open(check, room)
+            body, n = self._open(check, room, deadline)
             room -= n
             if n <= len(pieces[0]):  # the frame lands inside one piece: straight there
                 self._decrypt(body, n, pieces[0][:n])

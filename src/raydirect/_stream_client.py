@@ -284,7 +284,7 @@ class _Transfer:
         if self.peer.pin is not None:
             try:
                 secured = secure_client(sock, self.peer.pin)
-            except ssl.SSLError as exc:
+            except (ssl.SSLError, ValueError) as exc:
                 raise TransferError(
                     f"TLS to the stream port of {self.peer.who} failed: {exc}"
                 ) from exc
@@ -351,7 +351,7 @@ class _Transfer:
         concatenation at the same offsets; a failure is recorded, never raised."""
         try:
             link = self._open_window(offset, length)
-            link.recv_pieces(window(dests, offset, length), self._check)
+            link.recv_pieces(window(dests, offset, length), self._check, self.deadline)
         except BaseException as exc:
             self.fail(exc)
             return

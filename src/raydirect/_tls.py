@@ -210,13 +210,16 @@ def server_security() -> ServerSecurity:
     return ServerSecurity(ctx, pin, records)
 
 
-@functools.lru_cache(maxsize=8)
 def client_context(pin: str) -> ssl.SSLContext:
     """The consumer's TLS context for servers whose address carries ``pin``."""
+    return _client_context(pin, ray_files() if pin == RAY_CA else None)
+
+
+@functools.lru_cache(maxsize=8)
+def _client_context(pin: str, files: tuple[str, str, str] | None) -> ssl.SSLContext:
     ctx = _base_context(ssl.PROTOCOL_TLS_CLIENT)
     ctx.check_hostname = False  # nodes are named by address; trust is the CA or the pin
     if pin == RAY_CA:
-        files = ray_files()
         if files is None:
             raise ValueError(
                 "the producer's stream port uses Ray's TLS certificates (mutual TLS), but "
