@@ -64,9 +64,7 @@ def make_ca(folder: Path, name: str) -> dict[str, str]:
         "RAY_TLS_SERVER_CERT": (folder / f"{name}.crt", leaf.public_bytes(pem)),
         "RAY_TLS_SERVER_KEY": (
             folder / f"{name}.key",
-            key.private_bytes(
-                pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-            ),
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
         ),
         "RAY_TLS_CA_CERT": (folder / f"{name}-ca.crt", ca.public_bytes(pem)),
     }

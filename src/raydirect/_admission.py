@@ -69,6 +69,7 @@ class Admission:
         self._lanes: Counter[str] = Counter({lane: 0 for lane in lanes})
         self._lock = threading.Lock()
         self.refused: Counter[str] = Counter()  # reason -> count, for stats and tests
+        self.admitted = 0  # requests let through to a lane, ever
 
     def admit(self, peer: bytes, lane: str) -> str | None:
         """None if the request may be queued (then call ``done`` when it ends), else
@@ -81,6 +82,7 @@ class Admission:
             else:
                 self._peers[peer] += 1
                 self._lanes[lane] += 1
+                self.admitted += 1
                 return None
             self.refused["busy"] += 1
             return reason
