@@ -171,3 +171,52 @@ def test_a_ticket_no_connection_names_is_dropped_and_a_named_one_is_kept(monkeyp
     assert server.pending() == 1
     assert claim(never, never_secret) == (None, _stream_server.UNKNOWN_TICKET)
     assert claim(named, named_secret)[1] == _stream_server.OK
+
+
+CONSUMERS_PER_PROCESS = 50  # threads in the driver and in one consumer actor: 100
+
+
+def test_a_hundred_tcp_consumers_of_one_producer(pair):
+    """Issue 24 item 5: a trainer feeding 64+ tcp consumers locked newcomers out
+    (served connections stayed pooled and counted) and the newcomer saw a raw
+    EOFError. Here 100 consumers (50 threads in the driver, 50 in an actor) read
+    at once from a producer whose stream port takes at most 4 connections: idle
+    ones are evicted, the rest told busy and retried, and every read arrives."""
+    p, c = pair
+
+    def read_many(_self, refs: list, threads: int) -> dict[str, int]:
+        """Read every ref at once, one thread each (each thread has its own control
+        channel and stream connections); what arrived exact, and what was raised."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        def one(ref) -> str:
+            try:
+                got = rd.get(ref, timeout=120, tensor_transport="tcp")
+            except Exception as exc:  # every failure is counted by type
+                return f"{type(exc).__name__}: {str(exc)[:200]}"
+            return "exact" if got.numel() == 1 << 20 and int(got[1]) == 3 else "wrong"
+
+        with ThreadPoolExecutor(threads) as pool:
+            outcomes = list(pool.map(one, refs))
+        return {k: outcomes.count(k) for k in set(outcomes)}
+
+    ray.get(_ray.run_in_actor(p, lambda _self: setattr(_stream_server, "MAX_CONNECTIONS", 4)))
+    try:
+        refs = [p.big.remote(1 << 20, 3) for _ in range(2 * CONSUMERS_PER_PROCESS)]
+        ray.wait(refs, num_returns=len(refs))
+        mine, theirs = refs[:CONSUMERS_PER_PROCESS], refs[CONSUMERS_PER_PROCESS:]
+        actor_run = _ray.run_in_actor(c, read_many, theirs, CONSUMERS_PER_PROCESS)
+        here = read_many(None, mine, CONSUMERS_PER_PROCESS)
+        there = ray.get(actor_run, timeout=300)
+        assert here == {"exact": CONSUMERS_PER_PROCESS}, here
+        assert there == {"exact": CONSUMERS_PER_PROCESS}, there
+        refused = ray.get(
+            _ray.run_in_actor(p, lambda _self: dict(_stream_server.running().refused))
+        )
+        print("stream port refusals with 100 consumers:", refused)
+        assert refused.get("evicted idle", 0) + refused.get("busy", 0) > 0, refused
+    finally:
+        ray.get(
+            _ray.run_in_actor(p, lambda _self: setattr(_stream_server, "MAX_CONNECTIONS", 256))
+        )
+    assert pending_tickets(p) == 0

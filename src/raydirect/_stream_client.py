@@ -57,7 +57,8 @@ _CONNECT_TIMEOUT_S = 5.0
 _IDLE_PER_PRODUCER = 8
 _IDLE_TOTAL = 32
 BUSY_RETRY_S = 60.0  # how long a consumer without a deadline retries a busy stream port
-_BACKOFF_S = (0.02, 1.0)  # first and longest pause between tries, jittered
+_BACKOFF_S = (0.02, 1.0)
+_OPEN_ATTEMPTS = 4  # connections closed before answering a window's request, at most  # first and longest pause between tries, jittered
 ENV_STREAMS = "RAYDIRECT_TCP_STREAMS"
 
 # What this process received over streams: transfers, windows, connections opened,
@@ -320,8 +321,10 @@ class _Transfer:
             pause = min(pause * 2, _BACKOFF_S[1])
 
     def _open_window(self, offset: int, length: int) -> Link:
-        """A connection that accepted the window's request and is about to send it."""
-        for _attempt in range(2):  # a pooled connection may have been closed as idle
+        """A connection that accepted the window's request and is about to send it.
+        One closed before it answered (a pooled one closed as idle, or one evicted
+        for a newcomer) is replaced: the window had not begun."""
+        for attempt in range(_OPEN_ATTEMPTS):
             link = _pool.take(self.peer)
             pooled = link is not None
             if link is None:
@@ -335,7 +338,7 @@ class _Transfer:
                 status = link.recv_exactly(1, self._check)[0]
             except ConnectionError:
                 self._drop(link)
-                if pooled:
+                if pooled or attempt + 1 < _OPEN_ATTEMPTS:
                     continue
                 raise
             if status != OK:

@@ -32,10 +32,11 @@ consumer gave up), ``UNCLAIMED_TTL_S`` after it was issued if no connection has
 named it, or after ``TICKET_TTL_S`` in any case.
 
 Connections are bounded (``MAX_CONNECTIONS``). When full, a newcomer takes the
-place of the oldest connection that has not yet been served (its handshake or
-first request still pending), else of the oldest idle served one (consumers
-pool connections); only when every connection is mid-transfer is the newcomer
-told ``BUSY``, which the consumer retries within its deadline. A connection is
+place of the oldest connection still unserved ``UNPROVEN_S`` after it connected
+(its handshake or first request pending: junk, or a consumer gone quiet), else
+of the oldest idle served one (consumers pool connections); only when every
+connection is young or mid-transfer is the newcomer told ``BUSY``, which the
+consumer retries within its deadline. A connection is
 closed if it is not served within ``FIRST_REQUEST_TIMEOUT_S`` of its accept, or
 idle for ``IDLE_TIMEOUT_S``.
 """
@@ -71,6 +72,7 @@ UNCLAIMED_TTL_S = 10.0
 TICKET_TTL_S = 60.0
 _SWEEP_S = 1.0  # how often expired tickets and overdue handshakes are dropped
 FIRST_REQUEST_TIMEOUT_S = 5.0  # from accept to the first request served
+UNPROVEN_S = 1.0  # an unserved connection this old may be evicted for a newcomer
 IDLE_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 256
 _SEND_TIMEOUT_S = 60.0  # a consumer that stops reading for this long is dropped
@@ -238,12 +240,16 @@ class StreamServer:
         ).start()
 
     def _victim(self) -> _Conn | None:
-        """The connection a newcomer replaces: the oldest not yet served, else the
-        oldest idle one (under ``_lock``)."""
-        for state in (NEW, IDLE):
-            for conn in self._conns.values():
-                if conn.state == state:
-                    return conn
+        """The connection a newcomer replaces (under ``_lock``): the oldest one still
+        unserved after ``UNPROVEN_S`` (a real consumer asks within milliseconds of
+        connecting), else the oldest idle one."""
+        now = time.monotonic()
+        for conn in self._conns.values():
+            if conn.state == NEW and now - conn.since > UNPROVEN_S:
+                return conn
+        for conn in self._conns.values():
+            if conn.state == IDLE:
+                return conn
         return None
 
     def _sweep(self) -> None:
