@@ -37,10 +37,10 @@ SEED_STEP = 7919
 IPERF = "iperf3 (1 stream)"
 ROWS = (
     IPERF,
-    "raydirect tcp (ZeroMQ frames, streams off)",
     "raydirect tcp (1 stream)",
     "raydirect tcp",
-    "raydirect tcp (encrypted, CURVE)",
+    "raydirect tcp (encrypted, TLS)",
+    "raydirect tcp (encrypted, TLS records in user space)",
     "raydirect gloo",
     "ray object store",
     "ray RDT gloo",
@@ -207,18 +207,17 @@ def inner(address: str, sizes: list[int], repeats: int) -> dict[str, Any]:
     one_stream = Consumer.options(**on_a, runtime_env={"env_vars": single}).remote()
     run_row("raydirect tcp (1 stream)", producer, producer.make_tcp.remote, one_stream)
     ray.kill(one_stream)
-    zmq_env = {**thp, "RAYDIRECT_TCP_STREAMS": "0"}
-    zmq_only = Consumer.options(**on_a, runtime_env={"env_vars": zmq_env}).remote()
-    run_row(
-        "raydirect tcp (ZeroMQ frames, streams off)", producer, producer.make_tcp.remote, zmq_only
-    )
-    ray.kill(zmq_only)
-    sealed_env = {"env_vars": {**thp, "RAYDIRECT_ENCRYPT": "1"}}
-    sealed = OursProducer.options(resources={"nodeB": 0.001}, runtime_env=sealed_env).remote()
-    ray.get(sealed.allocate.remote(MIB), timeout=TIMEOUT_S)
-    run_row("raydirect tcp (encrypted, CURVE)", sealed, sealed.make_tcp.remote, consumer)
-    ray.kill(sealed)
     run_row("raydirect tcp", producer, producer.make_tcp.remote, consumer)
+    for records, name in (
+        ("frames", "raydirect tcp (encrypted, TLS)"),
+        ("tls", "raydirect tcp (encrypted, TLS records in user space)"),
+    ):  # TLS 1.3 on the stream port (a certificate the producer makes): the row beside
+        sealed_env = {**thp, "RAYDIRECT_ENCRYPT": "1", "RAYDIRECT_TLS_RECORDS": records}
+        options = {"resources": {"nodeB": 0.001}, "runtime_env": {"env_vars": sealed_env}}
+        sealed = OursProducer.options(**options).remote()
+        ray.get(sealed.allocate.remote(MIB), timeout=TIMEOUT_S)
+        run_row(name, sealed, sealed.make_tcp.remote, consumer)
+        ray.kill(sealed)
     run_row("raydirect gloo", producer, producer.make_gloo.remote, consumer)
     counts = ray.get(consumer.stats.remote(), timeout=TIMEOUT_S)
     log(f"raydirect consumer received, by transport: {counts}")
