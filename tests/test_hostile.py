@@ -33,6 +33,7 @@ from raydirect.transports.base import PeerMetadata, TensorTransportMetadata, met
 from raydirect.transports.registry import transport_instance
 
 from actors import Producer, check_value
+from helpers import agent_dealer
 
 _CONTEXT = zmq.Context()  # the test's own: what is checked is the agent, not our channels
 ANSWER_S = 30.0  # bound on any answer from the agent under test
@@ -55,15 +56,7 @@ def producer(ray_session) -> Iterator[tuple[Any, str]]:
 
 def _dealer(address: str) -> zmq.Socket:
     """A DEALER with the cluster's CURVE key: what reaches the agent's loop at all."""
-    parts = _wire.parse_address(address)
-    public, secret = _wire.client_keys()
-    sock = _CONTEXT.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.CURVE_SERVERKEY, parts.curve_key)
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-    sock.connect(parts.endpoint)
-    return sock
+    return agent_dealer(_CONTEXT, address)
 
 
 def _with_auth(fields: dict[str, Any]) -> bytes:

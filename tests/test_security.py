@@ -16,7 +16,7 @@ import raydirect as rd
 from raydirect import _channel, _wire
 
 from actors import Producer, check_value
-from helpers import wait_for
+from helpers import agent_dealer, wait_for
 
 
 def agent_address(actor) -> str:
@@ -45,15 +45,7 @@ def request(**fields: object) -> bytes:
 
 def dealer(address: str, keys: tuple[bytes, bytes] | None = None) -> zmq.Socket:
     """A DEALER to the agent, with the cluster's CURVE key (or ``keys``)."""
-    parts = _wire.parse_address(address)
-    public, secret = keys or _wire.client_keys()
-    sock = _CONTEXT.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.CURVE_SERVERKEY, parts.curve_key)
-    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
-    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
-    sock.connect(parts.endpoint)
-    return sock
+    return agent_dealer(_CONTEXT, address, keys)
 
 
 def ask(address: str, *frames: bytes) -> dict:
