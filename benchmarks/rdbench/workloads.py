@@ -129,10 +129,11 @@ def actor_to_actor(ctx: Context) -> list[Row]:
                 for t in transports
             ]
             pair_rows(producer, consumer, systems)
-        if "tcp" in transports:  # the same, from a producer whose stream port encrypts
-            sealed = ctx.encrypted_producer()
-            for n in sizes:
-                pair_rows(sealed, consumer, [(row(TCP_ENCRYPTED, n), sealed.one_tcp.remote, None)])
+        if "tcp" in transports:  # the same, from producers whose stream port encrypts
+            for records, system in (("frames", TCP_ENCRYPTED), ("tls", TCP_TLS_RECORDS)):
+                sealed = ctx.encrypted_producer(records)
+                for n in sizes:
+                    pair_rows(sealed, consumer, [(row(system, n), sealed.one_tcp.remote, None)])
     if cfg.wants(GROUP_RAY):
         producer, consumer = ctx.producers(1)[0], ctx.consumers(1)[0]
         for n in sizes:
@@ -160,6 +161,7 @@ def actor_to_actor(ctx: Context) -> list[Row]:
 
 
 TCP_ENCRYPTED = "raydirect tcp (encrypted, TLS)"
+TCP_TLS_RECORDS = "raydirect tcp (encrypted, TLS records in user space)"
 FLOOR_SOCKET = "floor: one TCP stream over the node address, no encryption"
 FLOOR_SEAL = "floor: AES-256-GCM encrypt, one core (1 MiB frames)"
 
