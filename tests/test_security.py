@@ -319,3 +319,40 @@ def test_a_replayed_connection_is_not_served(producer):
     assert cap_hex.encode() not in got and b'"ok": true' not in got
     assert _handled(producer) == handled  # the replay never became a request
     listener.close()
+
+
+def test_the_agent_caps_its_connections_shedding_unproven_ones(ray_session):
+    """Connections that never finish a handshake are shed once the agent holds more
+    than its cap (the oldest still within their handshake window first), and a real
+    consumer still gets through."""
+    from raydirect._server import Server
+
+    server = Server("127.0.0.1")
+    server.connections.limit = 8
+    silent = [socket.create_connection(("127.0.0.1", _port(server.address))) for _ in range(20)]
+    try:
+        wait_for(lambda: server.connections.shed >= 12, timeout=20, what="shed")
+        assert len(server.connections) <= 8
+        reply = _channel.request(server.address, {"op": "stats"}, timeout=20)
+        assert reply["ok"] is True and "stats" in reply
+        assert sum(map(_closed, silent)) >= 12  # the shed ones were shut by the agent
+    finally:
+        for conn in silent:
+            conn.close()
+
+
+def _closed(conn: socket.socket) -> bool:
+    """Did the peer close ``conn`` (after whatever greeting it sent)?"""
+    conn.settimeout(0.5)
+    try:
+        while conn.recv(4096):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def _port(address: str) -> int:
+    return int(_wire.parse_address(address).endpoint.rsplit(":", 1)[1])
