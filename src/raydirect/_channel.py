@@ -183,7 +183,9 @@ class Channel:
             return f"cannot be reached at {self.address}: its process died or restarted"
         return None
 
-    def why_broken(self, who: str, deadline: float | None, what: str) -> RaydirectError:
+    def why_broken(
+        self, who: str, deadline: float | None, what: str, detail: str = ""
+    ) -> RaydirectError:
         """The error for a connection to the producer that broke (this channel, or
         a bulk stream): ``ProducerLostError`` once the producer is seen gone,
         ``TransferError`` ("read it again") if it is still there after a grace.
@@ -202,9 +204,10 @@ class Channel:
             time.sleep(_GRACE_POLL_S)
         if self.lost and self.producer_alive is None:
             return ProducerLostError.of(who, "is unreachable: its process died or its node is down")
+        detail = f" ({detail})" if detail else ""
         return TransferError(
-            f"{what} during the transfer; the producer is alive and still holds the "
-            "object: read it again"
+            f"{what} during the transfer{detail}; the producer is alive and still holds "
+            "the object: read it again"
         )
 
     def recv_reply(

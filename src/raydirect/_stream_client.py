@@ -57,8 +57,8 @@ _CONNECT_TIMEOUT_S = 5.0
 _IDLE_PER_PRODUCER = 8
 _IDLE_TOTAL = 32
 BUSY_RETRY_S = 60.0  # how long a consumer without a deadline retries a busy stream port
-_BACKOFF_S = (0.02, 1.0)
-_OPEN_ATTEMPTS = 4  # connections closed before answering a window's request, at most  # first and longest pause between tries, jittered
+_BACKOFF_S = (0.02, 1.0)  # first and longest pause between tries, jittered
+_OPEN_ATTEMPTS = 4  # connections closed before answering a window's request, at most
 ENV_STREAMS = "RAYDIRECT_TCP_STREAMS"
 
 # What this process received over streams: transfers, windows, connections opened,

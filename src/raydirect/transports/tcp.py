@@ -124,7 +124,8 @@ def _receive_streams(
     except TimeoutError:
         raise
     except (OSError, EOFError) as exc:  # ProducerLostError if that is what happened
-        raise ch.why_broken(who, link.deadline, f"the tcp stream from {who} broke ({exc})") from exc
+        what = f"the tcp stream from {who} broke"
+        raise ch.why_broken(who, link.deadline, what, str(exc)) from exc
 
 
 def _copy_inline(frames: list[Any], targets: Sequence[torch.Tensor], who: str) -> None:
