@@ -216,7 +216,5 @@ def test_a_hundred_tcp_consumers_of_one_producer(pair):
         print("stream port refusals with 100 consumers:", refused)
         assert refused.get("evicted idle", 0) + refused.get("busy", 0) > 0, refused
     finally:
-        ray.get(
-            _ray.run_in_actor(p, lambda _self: setattr(_stream_server, "MAX_CONNECTIONS", 256))
-        )
+        ray.get(_ray.run_in_actor(p, lambda _self: setattr(_stream_server, "MAX_CONNECTIONS", 256)))
     assert pending_tickets(p) == 0

@@ -221,7 +221,6 @@ class Channel:
         return header, parts[1:]
 
 
-
 class _ChannelCache(threading.local):
     def __init__(self) -> None:
         # Most recently used last; bounded so that channels to producers long

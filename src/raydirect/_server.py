@@ -55,9 +55,7 @@ _RCVHWM = 1000
 _BATCH = 256  # messages handled per turn of the loop, each way
 
 
-def open_reply_socket(
-    ctx: zmq.Context, outbox_address: str, local: threading.local
-) -> zmq.Socket:
+def open_reply_socket(ctx: zmq.Context, outbox_address: str, local: threading.local) -> zmq.Socket:
     """The calling worker thread's socket to the agent's outbox (ZeroMQ sockets
     belong to one thread). Opened when the thread starts, so that the agent's
     fds are fixed from then on, whichever threads serve what."""

@@ -66,6 +66,7 @@ REQUEST = struct.Struct("<4s16sQQ32s")  # magic, ticket id, offset, length, proo
 CHALLENGE_BYTES = 16
 READY, BUSY_GREETING = b"\x00", b"\x04"
 OK, UNKNOWN_TICKET, BAD_WINDOW, BAD_PROOF, BUSY = 0, 1, 2, 3, 4
+_REFUSED = {UNKNOWN_TICKET: "unknown ticket", BAD_WINDOW: "bad window", BAD_PROOF: "bad proof"}
 # Consumers open every window of a transfer as soon as they get its ticket, so a
 # ticket no connection names for this long has no consumer left.
 UNCLAIMED_TTL_S = 10.0
@@ -307,9 +308,7 @@ class StreamServer:
         key, offset, length = request[1], request[2], request[3]
         ticket, status = self._claim(key, challenge, request)
         if ticket is None:
-            self.refused[{UNKNOWN_TICKET: "unknown ticket", BAD_PROOF: "bad proof"}.get(
-                status, "bad window"
-            )] += 1
+            self.refused[_REFUSED[status]] += 1
             with contextlib.suppress(OSError):
                 link.send(bytes([status]))
             return False
