@@ -8,6 +8,7 @@ Ray with TLS in a lo-only network namespace."""
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 import loopback
@@ -16,7 +17,9 @@ import ray
 import torch
 
 import raydirect as rd
-from raydirect import _runtime, _tls, _wire
+from raydirect import _consumer, _process, _runtime, _tls, _wire
+from raydirect._payload import Payload, ProducerInfo
+from raydirect._tensors import TensorMetas
 
 DRIVER = Path(__file__).with_name("tls_capture_driver.py")
 
@@ -84,3 +87,46 @@ def test_encryption_can_be_turned_on_without_ray_tls(ray_session):
     assert address.tls is not None and len(address.tls) == 64  # a SHA-256 fingerprint
     assert ray.get(p.encryption.remote()) == _tls.TLS
     ray.kill(p)
+
+
+def test_auto_never_picks_a_clear_transport_across_nodes_under_encryption(monkeypatch, caplog):
+    """A producer on another node, a gloo group both are in: ``auto`` picks the group
+    in clear, and the encrypted ``tcp`` stream when the producer's stream port
+    encrypts (its address carries a TLS pin) or this process encrypts; naming the
+    group there logs a warning, once."""
+
+    class Reachable:
+        byte_transport = True
+
+        def reachable(self, extra) -> bool:
+            return True
+
+    monkeypatch.setattr(_consumer, "transport_instance", lambda name: Reachable())
+    monkeypatch.setenv(_tls.ENCRYPT_ENV, "0")
+
+    def payload(address: str, transport: str = "auto") -> Payload:
+        producer = ProducerInfo(
+            agent_address=address,
+            node_id="another-node",
+            pid=1,
+            start_time=_process.START_TIME,
+            process_token=secrets.token_bytes(16),
+            label="Trainer.weights",
+        )
+        metas = TensorMetas.of([])
+        return Payload(b"o" * 16, b"c" * 16, b"", [], metas, transport, producer, {"gloo": {}})
+
+    key = "ab" * 32
+    clear = f"tcp://10.0.0.2:5000/curve/{key}"
+    sealed = f"{clear}/tls/{'cd' * 32}"
+    assert _consumer._choose_auto(payload(clear), same_node=False) == "gloo"
+    assert _consumer._choose_auto(payload(sealed), same_node=False) == "tcp"
+    monkeypatch.setenv(_tls.ENCRYPT_ENV, "1")  # this process encrypts: the same
+    assert _consumer._choose_auto(payload(clear), same_node=False) == "tcp"
+    monkeypatch.setattr(_consumer, "_ray", type("R", (), {"node_id": staticmethod(lambda: "here")}))
+    _consumer._logged_fallbacks.discard(("clear", "gloo"))
+    with caplog.at_level("WARNING", logger="raydirect"):
+        for _ in range(3):
+            _consumer.choose_transport(payload(sealed, "gloo"), None)
+    warned = [r for r in caplog.records if "in clear" in r.getMessage()]
+    assert len(warned) == 1 and "'gloo'" in warned[0].getMessage()
