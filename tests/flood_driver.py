@@ -1,11 +1,19 @@
-"""A producer's agent flooded with junk while real transfers go on; run inside a
-lo-only network namespace (tests/loopback.py) by tests/test_flood.py.
+"""A producer's agent flooded with 1 MiB junk messages at full rate while real
+transfers go on; run inside a lo-only network namespace (tests/loopback.py) by
+tests/test_flood.py.
 
-    python flood_driver.py [MESSAGES_PER_CLIENT]
-    python flood_driver.py --flood ADDRESS MESSAGES SEED      (one flooding client)
+    python flood_driver.py [FLOOD_SECONDS]
+    python flood_driver.py --flood ADDRESS SECONDS SEED KIND   (one flooding client)
+
+KIND ``stranger``: a ZeroMQ client with a CURVE key of its own (not the
+cluster's) sending 1 MiB junk messages as fast as it can: its handshakes are
+refused (ZAP), so its messages never leave it, and it retries without pause.
+KIND ``raw``: plain TCP connections each sending 1 MiB of random bytes where
+ZeroMQ's greeting belongs.
 
 Prints one ``@@RD {json}`` line: transfer latencies before, during and after
-the flood, the agent's refusal counts, and its fds and threads before and after.
+the flood, the agent's refusal counts, the CPU seconds its loop thread (and its
+ZAP thread) spent during the flood, and its fds and threads before and after.
 """
 
 from __future__ import annotations
@@ -24,7 +32,6 @@ from typing import Any
 
 import loopback  # this script's folder is on sys.path
 
-CLIENTS = 2
 TRANSFER_BYTES = 1 << 20
 BIG_BYTES = 24 << 20
 IDLE_CONNECTIONS = 300  # per port, idle; and HALF_SENT more that stop midway
@@ -32,39 +39,53 @@ HALF_SENT = 50
 SETTLE_S = 60.0
 
 
-def junk(rng: random.Random) -> list[bytes]:
-    """One message of the kinds an attacker (or a confused program) sends."""
-    kind = rng.randrange(5)
-    if kind == 0:
-        return [rng.randbytes(rng.randrange(1, 200))]
-    if kind == 1:  # well-formed, no auth
-        return [json.dumps({"op": "fetch", "obj": "00" * 16, "cap": "00" * 16}).encode()]
-    if kind == 2:
-        return [b'{"op": "stats", "reply": true}']
-    if kind == 3:  # several frames
-        return [b"x", rng.randbytes(64), b"y"]
-    return [b'{"op": "fetch", "auth": "' + rng.randbytes(16).hex().encode() + b'"}']
+JUNK_BYTES = 1 << 20
 
 
-def flood(address: str, messages: int, seed: int) -> None:
+def flood(address: str, seconds: float, seed: int, kind: str) -> None:
     import zmq
+    import zmq.utils.z85
 
     rng = random.Random(seed)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    # Blocking sends into a bounded queue: every message reaches the agent, as
-    # fast as it reads them.
-    sock.setsockopt(zmq.LINGER, 120_000)
-    sock.setsockopt(zmq.SNDHWM, 1000)
-    sock.connect(address)
-    for _ in range(messages):
-        sock.send_multipart(junk(rng))
-    # Stay connected until the driver says the agent has read it all: ZeroMQ drops
-    # what a disconnected peer sent and the agent had not read yet.
-    print("sent", flush=True)
-    sys.stdin.readline()
-    sock.close()
-    ctx.term()
+    junk = rng.randbytes(JUNK_BYTES)
+    end = time.monotonic() + seconds
+    endpoint, _, rest = address.partition("/curve/")
+    if kind == "stranger":
+        ctx = zmq.Context()
+        server_key = zmq.utils.z85.encode(bytes.fromhex(rest[:64]))
+        while time.monotonic() < end:  # a new connection, hence a new handshake, each time
+            sock = ctx.socket(zmq.DEALER)
+            public, secret = zmq.curve_keypair()  # not the cluster's key
+            sock.setsockopt(zmq.CURVE_SERVERKEY, server_key)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+            sock.setsockopt(zmq.LINGER, 0)
+            events = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            sock.connect(endpoint)
+            for _ in range(8):
+                with contextlib.suppress(zmq.Again):
+                    sock.send(junk, zmq.NOBLOCK)
+            events.poll(1000)  # until the agent refused the key
+            sock.disable_monitor()
+            events.close(0)
+            sock.close(0)
+        ctx.term()
+    else:
+        host, port = endpoint.removeprefix("tcp://").rsplit(":", 1)
+        while time.monotonic() < end:
+            try:
+                with socket.create_connection((host, int(port)), timeout=5) as conn:
+                    conn.sendall(junk)
+            except OSError:
+                pass
+    print("done", flush=True)
+
+
+def thread_cpu(pid: int, tid: int) -> float:
+    """CPU seconds (user + system) thread ``tid`` of ``pid`` has used."""
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def describe(pid: int) -> dict[str, list[str]]:
@@ -102,9 +123,10 @@ def rss(pid: int) -> int:
 def idle_phase(ray: Any, rd: Any, torch: Any, p: Any, agent: dict[str, Any]) -> dict[str, Any]:
     """Hundreds of idle connections and half-sent greetings and headers on both
     ports, while small and large transfers go on; then all of them closed."""
-    host, agent_port = agent["address"].rpartition("//")[2].rsplit(":", 1)
+    endpoint = agent["address"].partition("/curve/")[0]
+    host, agent_port = endpoint.rpartition("//")[2].rsplit(":", 1)
     ports = {"agent": int(agent_port), "streams": ray.get(p.stream_port.remote())}
-    halves = {"agent": b"\xff\x00\x00\x00", "streams": b"RDS1" + bytes(6)}
+    halves = {"agent": b"\xff\x00\x00\x00", "streams": b"\x16\x03\x01" + bytes(6)}
     rss_before = rss(agent["pid"])
     conns = []
     for name, port in ports.items():
@@ -147,7 +169,7 @@ def main() -> None:
 
     cloudpickle.register_pickle_by_value(loopback)  # its probe runs in the producer
 
-    messages = int(sys.argv[1]) if len(sys.argv) > 1 else 50_000
+    flood_seconds = float(sys.argv[1]) if len(sys.argv) > 1 else 10.0
 
     @ray.remote(num_cpus=0)
     class Producer:
@@ -169,14 +191,25 @@ def main() -> None:
             return _stream_server.running().port
 
         def agent(self) -> dict[str, Any]:
+            import threading
+
             from raydirect import _runtime, _wire
 
+            agent = _runtime.agent()
+            tids = {t.name: t.native_id for t in threading.enumerate()}
             return {
-                "address": _runtime.agent().address,
+                "address": agent.address,
                 "pid": os.getpid(),
-                "auth": _wire.auth_proof() is not None,
+                "auth": _wire.cluster_keys() is not None,
                 "node_ip": ray.util.get_node_ip_address(),
+                "loop_tid": tids["raydirect-agent"],
+                "zap_tid": tids["raydirect-zap"],
             }
+
+        def admitted(self) -> int:
+            from raydirect import _runtime
+
+            return _runtime.agent().admission.admitted
 
         def ray_sockets(self) -> int:
             return loopback.ipv6_tcp_sockets()
@@ -212,27 +245,29 @@ def main() -> None:
     base_threads = ray.get(p.python_threads.remote())
     base_ray_sockets = ray.get(p.ray_sockets.remote())
 
+    pid, loop_tid, zap_tid = agent["pid"], agent["loop_tid"], agent["zap_tid"]
+    admitted_before = ray.get(p.admitted.remote())
+    cpu_before = (thread_cpu(pid, loop_tid), thread_cpu(pid, zap_tid))
+    kinds = ["stranger", "raw"]
     clients = [
         subprocess.Popen(
-            [sys.executable, __file__, "--flood", agent["address"], str(messages), str(seed)],
-            stdin=subprocess.PIPE,
+            [sys.executable, __file__, "--flood", agent["address"], str(flood_seconds),
+             str(seed), kind],
             stdout=subprocess.PIPE,
         )
-        for seed in range(CLIENTS)
-    ]
-    for c in clients:
-        os.set_blocking(c.stdout.fileno(), False)  # type: ignore[union-attr]
+        for seed, kind in enumerate(kinds)
+    ]  # fmt: skip
     during: list[float] = []
     t0 = time.monotonic()
-    total = CLIENTS * messages
-    while sum(ray.get(p.refused.remote()).values()) < total:
+    while any(c.poll() is None for c in clients):
         during.append(transfer())
-        if time.monotonic() - t0 > 300:
-            raise AssertionError("the agent did not read the flood in 300 s")
+        if time.monotonic() - t0 > flood_seconds + 120:
+            raise AssertionError("the flooding clients did not stop")
     flood_s = time.monotonic() - t0
-    for c in clients:
-        c.stdin.close()  # type: ignore[union-attr]
     codes = [c.wait(timeout=60) for c in clients]
+    cpu_after = (thread_cpu(pid, loop_tid), thread_cpu(pid, zap_tid))
+    # Every request the loop admitted was a real transfer's (two each: fetch, sent).
+    admitted_during = ray.get(p.admitted.remote()) - admitted_before
     after = [transfer() for _ in range(10)]
 
     idle = idle_phase(ray, rd, torch, p, agent)
@@ -243,8 +278,10 @@ def main() -> None:
     result = {
         "agent": agent,
         "client_exit_codes": codes,
-        "messages": CLIENTS * messages,
         "flood_seconds": round(flood_s, 2),
+        "loop_cpu_s": round(cpu_after[0] - cpu_before[0], 3),
+        "zap_cpu_s": round(cpu_after[1] - cpu_before[1], 3),
+        "admitted_during": admitted_during,
         "median_before_s": statistics.median(before),
         "median_during_s": statistics.median(during) if during else None,
         "transfers_during": len(during),
@@ -269,6 +306,6 @@ def main() -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--flood"]:
-        flood(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+        flood(sys.argv[2], float(sys.argv[3]), int(sys.argv[4]), sys.argv[5])
     else:
         main()

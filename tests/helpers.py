@@ -7,6 +7,10 @@ import os
 import time
 from collections.abc import Callable
 
+import zmq
+
+from raydirect import _wire
+
 
 def wait_for(predicate: Callable[[], object], timeout: float = 30.0, what: str = "") -> object:
     """Poll ``predicate`` until it returns a truthy value; fail after ``timeout``."""
@@ -35,3 +39,19 @@ def rss(pid: int) -> int:
 
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def agent_dealer(
+    ctx: zmq.Context, address: str, keys: tuple[bytes, bytes] | None = None
+) -> zmq.Socket:
+    """A DEALER to the agent at ``address``: CURVE to its key, presenting the
+    cluster's client key (or ``keys``), as a raydirect process does."""
+    parts = _wire.parse_address(address)
+    public, secret = keys or _wire.client_keys()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.CURVE_SERVERKEY, parts.curve_key)
+    sock.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    sock.connect(parts.endpoint)
+    return sock

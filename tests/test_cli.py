@@ -69,6 +69,7 @@ def test_status_shows_holders_per_transport_and_transfer_counters(ray_session):
     assert (
         held["objects_sent"]["tcp"] == 1 and held["bytes_sent"]["tcp"] == held["bytes_held"]["tcp"]
     )
+    assert held["encryption"] == "none"  # this session runs without Ray's TLS
     theirs = [r for r in status["processes"] if r["pid"] == cpid]
     assert theirs and "Consumer" in theirs[0]["label"]
     got = theirs[0]["stats"]
@@ -85,7 +86,7 @@ def test_status_shows_holders_per_transport_and_transfer_counters(ray_session):
         timeout=120,
         check=True,
     ).stdout
-    assert re.search(rf"Producer.*\s{pid}\s+2\s+\S+ KiB", table), table
+    assert re.search(rf"Producer.*\s{pid}\s+2\s+\S+ KiB\s+none$", table, re.M), table
     assert re.search(r"^\s+auto\s+1 / 9.8 KiB\s+-", table, re.M), table
     assert re.search(r"^\s+tcp\s+1 / \S+ \S+\s+1 / \S+ \S+\s+-", table, re.M), table
     assert re.search(r"^\s+tcp\s+-\s+-\s+1 / ", table, re.M), table  # the consumer's line

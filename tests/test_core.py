@@ -14,25 +14,22 @@ import ray
 import zmq
 
 import raydirect as rd
-from raydirect import _api, _broadcast, _choice, _consumer, _into, _producer, _wire
+from raydirect import _api, _broadcast, _choice, _consumer, _into, _producer
 from raydirect._payload import ProducerInfo
 
 import actors
+from helpers import agent_dealer
 from plugin_transports import GatedPrepareTransport
 
 _CONTEXT = zmq.Context()  # the test's own sockets, not raydirect's channels
 
 
 def _request(**fields: Any) -> bytes:
-    proof = _wire.auth_proof()
-    return json.dumps({**fields, **({"auth": proof} if proof else {})}).encode()
+    return json.dumps(fields).encode()
 
 
 def _dealer(address: str) -> zmq.Socket:
-    sock = _CONTEXT.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    return sock
+    return agent_dealer(_CONTEXT, address)
 
 
 def _ask(address: str, frame: bytes, timeout_s: float) -> dict | None:

@@ -1,11 +1,14 @@
-"""Encryption of the control channel and the tcp data path (ZeroMQ CURVE).
+"""Encryption of the tcp data path (TLS 1.3 on the stream port; the control
+channel is CURVE always).
 
-Under Ray's TLS the agent encrypts with no set-up: its public key rides in its
-address, inside the ObjectRef's payload, which Ray itself carries over TLS.
-The capture test runs Ray with TLS in a lo-only network namespace."""
+Under Ray's TLS the agent encrypts with no set-up: mutual TLS with Ray's own
+certificate files, and its CURVE key rides in its address, inside the
+ObjectRef's payload, which Ray itself carries over TLS. The capture test runs
+Ray with TLS in a lo-only network namespace."""
 
 from __future__ import annotations
 
+import secrets
 from pathlib import Path
 
 import loopback
@@ -14,7 +17,9 @@ import ray
 import torch
 
 import raydirect as rd
-from raydirect import _runtime, _wire
+from raydirect import _consumer, _process, _runtime, _tls, _wire
+from raydirect._payload import Payload, ProducerInfo
+from raydirect._tensors import TensorMetas
 
 DRIVER = Path(__file__).with_name("tls_capture_driver.py")
 
@@ -32,7 +37,8 @@ def captured():
 def test_under_ray_tls_no_plaintext_crosses_the_wire(captured):
     enc = captured["encrypted"]
     assert enc["exact"]
-    assert _wire.CURVE_MARK in enc["address"]
+    assert enc["address"].endswith(_wire.TLS_MARK + _tls.RAY_CA)  # mutual TLS, Ray's CA
+    assert enc["encryption"] == _tls.TLS
     assert enc["captured_bytes"] > 4 << 20  # the transfer itself was captured
     assert not enc["pattern_found"]
 
@@ -41,23 +47,24 @@ def test_the_capture_sees_plaintext_when_encryption_is_off(captured):
     """The control: without it, a capture that saw nothing would pass the test above."""
     plain = captured["plain"]
     assert plain["exact"]
-    assert _wire.CURVE_MARK not in plain["address"]
+    assert _wire.TLS_MARK not in plain["address"] and plain["encryption"] == _tls.NONE
     assert plain["pattern_found"]
 
 
 @pytest.mark.parametrize("value", ["maybe", "2"])
 def test_a_bad_encrypt_setting_is_refused_with_the_fix(monkeypatch, value):
-    monkeypatch.setenv(_runtime.ENCRYPT_ENV, value)
+    monkeypatch.setenv(_tls.ENCRYPT_ENV, value)
     with pytest.raises(ValueError, match="RAYDIRECT_ENCRYPT") as info:
-        _runtime.encryption_wanted()
+        _tls.encryption_wanted()
     assert "RAY_USE_TLS" in str(info.value)
 
 
 def test_encryption_can_be_turned_on_without_ray_tls(ray_session):
-    """RAYDIRECT_ENCRYPT=1 on a producer: its agent is CURVE-only, and a consumer
-    reaches it with the key from the ref alone (values of every kind, both ways)."""
+    """RAYDIRECT_ENCRYPT=1 on a producer without Ray's TLS files: its stream port
+    speaks TLS with a certificate it made, pinned by the fingerprint in its address,
+    and a consumer reaches it with the ref alone (inline and streamed values)."""
 
-    @ray.remote(num_cpus=0, runtime_env={"env_vars": {_runtime.ENCRYPT_ENV: "1"}})
+    @ray.remote(num_cpus=0, runtime_env={"env_vars": {_tls.ENCRYPT_ENV: "1"}})
     class Encrypted:
         def __init__(self) -> None:
             self.t = torch.arange(3 << 20, dtype=torch.int32)  # 12 MiB
@@ -69,10 +76,57 @@ def test_encryption_can_be_turned_on_without_ray_tls(ray_session):
         def address(self) -> str:
             return _runtime.agent().address
 
+        def encryption(self) -> str:
+            return rd.local_stats().encryption
+
     p = Encrypted.remote()
     got = rd.get(p.make.remote(), timeout=60, tensor_transport="tcp")
     assert torch.equal(got["big"], torch.arange(3 << 20, dtype=torch.int32))
     assert got["small"].tolist() == list(range(10))
-    endpoint, key = _wire.split_address(ray.get(p.address.remote()))
-    assert key is not None and len(key) == 40 and endpoint.startswith("tcp://")
+    address = _wire.parse_address(ray.get(p.address.remote()))
+    assert address.tls is not None and len(address.tls) == 64  # a SHA-256 fingerprint
+    assert ray.get(p.encryption.remote()) == _tls.TLS
     ray.kill(p)
+
+
+def test_auto_never_picks_a_clear_transport_across_nodes_under_encryption(monkeypatch, caplog):
+    """A producer on another node, a gloo group both are in: ``auto`` picks the group
+    in clear, and the encrypted ``tcp`` stream when the producer's stream port
+    encrypts (its address carries a TLS pin) or this process encrypts; naming the
+    group there logs a warning, once."""
+
+    class Reachable:
+        byte_transport = True
+
+        def reachable(self, extra) -> bool:
+            return True
+
+    monkeypatch.setattr(_consumer, "transport_instance", lambda name: Reachable())
+    monkeypatch.setenv(_tls.ENCRYPT_ENV, "0")
+
+    def payload(address: str, transport: str = "auto") -> Payload:
+        producer = ProducerInfo(
+            agent_address=address,
+            node_id="another-node",
+            pid=1,
+            start_time=_process.START_TIME,
+            process_token=secrets.token_bytes(16),
+            label="Trainer.weights",
+        )
+        metas = TensorMetas.of([])
+        return Payload(b"o" * 16, b"c" * 16, b"", [], metas, transport, producer, {"gloo": {}})
+
+    key = "ab" * 32
+    clear = f"tcp://10.0.0.2:5000/curve/{key}"
+    sealed = f"{clear}/tls/{'cd' * 32}"
+    assert _consumer._choose_auto(payload(clear), same_node=False) == "gloo"
+    assert _consumer._choose_auto(payload(sealed), same_node=False) == "tcp"
+    monkeypatch.setenv(_tls.ENCRYPT_ENV, "1")  # this process encrypts: the same
+    assert _consumer._choose_auto(payload(clear), same_node=False) == "tcp"
+    monkeypatch.setattr(_consumer, "_ray", type("R", (), {"node_id": staticmethod(lambda: "here")}))
+    _consumer._logged_fallbacks.discard(("clear", "gloo"))
+    with caplog.at_level("WARNING", logger="raydirect"):
+        for _ in range(3):
+            _consumer.choose_transport(payload(sealed, "gloo"), None)
+    warned = [r for r in caplog.records if "in clear" in r.getMessage()]
+    assert len(warned) == 1 and "'gloo'" in warned[0].getMessage()

@@ -1,16 +1,19 @@
-"""The agent under a flood of junk (issue: two local clients sending junk as
-fast as they could made a real 1 MiB transfer time out). Runs Ray inside a
-network namespace with only ``lo``: nothing leaves the machine."""
+"""The agent under a flood of 1 MiB junk messages at full rate (issue: two local
+clients sending junk as fast as they could made a real 1 MiB transfer time out;
+then, each unauthenticated message was JSON-decoded on the loop thread, 10-21 ms
+each). Runs Ray inside a network namespace with only ``lo``: nothing leaves the
+machine."""
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 import loopback
 import pytest
 
 DRIVER = Path(__file__).with_name("flood_driver.py")
-MESSAGES_PER_CLIENT = 50_000  # two clients: 100,000 messages
+FLOOD_S = 10.0
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +21,7 @@ def flooded():
     reason = loopback.unavailable_reason()
     if reason:
         pytest.skip(f"flood test skipped: {reason}")
-    result = loopback.run(DRIVER, str(MESSAGES_PER_CLIENT), timeout=900)
+    result = loopback.run(DRIVER, str(FLOOD_S), timeout=900)
     print({k: v for k, v in result.items() if k != "agent"})
     return result
 
@@ -38,12 +41,17 @@ def test_real_transfers_go_on_during_a_junk_flood(flooded):
     assert flooded["median_after_s"] is not None
 
 
-def test_junk_is_dropped_before_it_costs_a_worker(flooded):
-    refused = flooded["refused"]
+def test_no_junk_reaches_the_loop_thread(flooded):
+    """Strangers are refused at the CURVE handshake (ZAP) and raw bytes at ZeroMQ's
+    greeting: nothing they send becomes a message. The loop admitted only the real
+    transfers' requests (a fetch and, for some, nothing else), and its CPU time
+    during the flood is measured (printed: loop_cpu_s against flood_seconds)."""
     if flooded["agent"]["auth"]:
-        # Everything without the cluster's proof, i.e. all but the multi-frame junk.
-        assert refused.get("unauthenticated", 0) >= 0.7 * flooded["messages"], refused
-    assert refused.get("malformed", 0) >= 0.1 * flooded["messages"], refused
+        assert flooded["refused"].get("unauthenticated", 0) >= 10, flooded["refused"]
+    assert flooded["admitted_during"] <= 2 * flooded["transfers_during"]
+    assert "malformed" not in flooded["refused"]
+    # Bounded: the loop thread served the real transfers and nothing else.
+    assert flooded["loop_cpu_s"] < 0.5 * flooded["flood_seconds"], flooded["loop_cpu_s"]
 
 
 def test_the_agent_returns_to_its_fds_and_threads(flooded):
@@ -53,8 +61,10 @@ def test_the_agent_returns_to_its_fds_and_threads(flooded):
     ours_before = before["fds"] - flooded["ray_sockets_before"]
     ours_after = after["fds"] - flooded["ray_sockets_after"]
     assert ours_after <= ours_before, (flooded["grown"], flooded["ray_sockets_after"])
-    # The agent's threads are a fixed set; Ray's gRPC timer thread (above) is not ours.
-    assert flooded["python_threads_after"] == flooded["python_threads_before"]
+    # The agent's threads are a fixed set plus one per open stream connection (the
+    # driver's pooled ones are closed by now); Ray's gRPC timer thread is not ours.
+    grew = Counter(flooded["python_threads_after"]) - Counter(flooded["python_threads_before"])
+    assert not grew, grew
     assert all(name.startswith("grpc") for name in flooded["grown"]["threads"]), flooded["grown"]
 
 

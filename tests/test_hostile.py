@@ -12,6 +12,7 @@ import json
 import os
 import pickle
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -26,12 +27,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import raydirect as rd
-from raydirect import _consumer, _process, _wire
+from raydirect import _consumer, _process, _stream_server, _wire
 from raydirect._payload import PREPARING, Payload, ProducerInfo
 from raydirect.transports.base import PeerMetadata, TensorTransportMetadata, metadata_classes
 from raydirect.transports.registry import transport_instance
 
 from actors import Producer, check_value
+from helpers import agent_dealer
 
 _CONTEXT = zmq.Context()  # the test's own: what is checked is the agent, not our channels
 ANSWER_S = 30.0  # bound on any answer from the agent under test
@@ -53,15 +55,13 @@ def producer(ray_session) -> Iterator[tuple[Any, str]]:
 
 
 def _dealer(address: str) -> zmq.Socket:
-    sock = _CONTEXT.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    return sock
+    """A DEALER with the cluster's CURVE key: what reaches the agent's loop at all."""
+    return agent_dealer(_CONTEXT, address)
 
 
 def _with_auth(fields: dict[str, Any]) -> bytes:
-    proof = _wire.auth_proof()
-    return json.dumps({**fields, **({"auth": proof} if proof else {})}).encode()
+    """A request as a raydirect process sends it (the CURVE key authenticates it)."""
+    return json.dumps(fields).encode()
 
 
 def _still_serves(p: Any) -> None:
@@ -121,8 +121,7 @@ _requests = st.fixed_dictionaries(
 )
 _messages = st.one_of(
     st.lists(st.binary(max_size=64), min_size=1, max_size=3),  # raw frames
-    _requests.map(lambda r: [_with_auth(r)]),  # well-formed JSON, authenticated, wrong content
-    _requests.map(lambda r: [json.dumps(r).encode()]),  # not authenticated
+    _requests.map(lambda r: [_with_auth(r)]),  # well-formed JSON, wrong content
     _requests.map(lambda r: [_with_auth(r)[: len(_with_auth(r)) // 2]]),  # truncated
 )
 
@@ -171,14 +170,18 @@ CANARY = 0xA5
 
 
 class FakeAgent:
-    """A ROUTER socket answering the first request with scripted messages, then
+    """A CURVE ROUTER answering the first request with scripted messages, then
     either staying silent or closing (a producer that truncates its stream)."""
 
     def __init__(self, messages: list[list[bytes]], close: bool = False) -> None:
         self.sock = _CONTEXT.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        public, secret = zmq.curve_keypair()
+        self.sock.setsockopt(zmq.CURVE_SERVER, 1)
+        self.sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
         host = ray.util.get_node_ip_address()
-        self.address = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
+        endpoint = f"tcp://{host}:{self.sock.bind_to_random_port(f'tcp://{host}')}"
+        self.address = _wire.agent_address(endpoint, public, None)
         self._messages, self._close = messages, close
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
@@ -238,12 +241,41 @@ def _check_canaries(arena: torch.Tensor, sizes: list[int]) -> None:
 
 
 SIZES = [100_000, 1000]  # bytes of the two tensors the consumer expects
-CHUNK = 1 << 16
-_OK_STREAM = _header(ok=True, inline=False, chunk=CHUNK)
 
 
-def _stream(*chunks: bytes) -> list[list[bytes]]:
-    return [[_OK_STREAM], *[[c] for c in chunks]]
+class FakeStreamPort:
+    """A stream port that greets, challenges, accepts any request, says OK, sends
+    ``partial`` bytes, then stays silent, or closes ``close_after`` seconds in."""
+
+    def __init__(self, partial: bytes, close_after: float | None = None) -> None:
+        self.listener = socket.create_server((ray.util.get_node_ip_address(), 0))
+        self.port = self.listener.getsockname()[1]
+        self._partial, self._close_after = partial, close_after
+        self._done = threading.Event()
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        start = time.monotonic()
+        conn.sendall(_stream_server.READY + b"c" * _stream_server.CHALLENGE_BYTES)
+        got = b""
+        while len(got) < _stream_server.REQUEST.size:
+            got += conn.recv(_stream_server.REQUEST.size - len(got))
+        conn.sendall(bytes([_stream_server.OK]) + self._partial)
+        if self._close_after is None:
+            self._done.wait(60)
+        else:
+            self._done.wait(max(0.0, start + self._close_after - time.monotonic()))
+        conn.close()
+
+    def offer(self) -> bytes:
+        return _header(
+            ok=True, stream={"port": self.port, "ticket": "00" * 16, "secret": "11" * 16}
+        )
+
+    def stop(self) -> None:
+        self._done.set()
+        self.listener.close()
 
 
 CORRUPT_TCP: dict[str, tuple[list[list[bytes]], type[Exception], str]] = {
@@ -267,19 +299,16 @@ CORRUPT_TCP: dict[str, tuple[list[list[bytes]], type[Exception], str]] = {
         rd.TransferError,
         "where 1000 were due",
     ),
-    "chunk size zero": ([[_header(ok=True, chunk=0)]], rd.TransferError, "chunk"),
-    "chunk size text": ([[_header(ok=True, chunk="16")]], rd.TransferError, "chunk"),
-    "chunk size negative": ([[_header(ok=True, chunk=-1)]], rd.TransferError, "chunk"),
-    "chunk longer than due": (
-        _stream(b"\2" * CHUNK, b"\2" * (CHUNK + GUARD)),
+    "neither inline nor a stream": ([[_header(ok=True)]], rd.TransferError, "neither"),
+    "a stream offer without a ticket": (
+        [[_header(ok=True, stream={"port": 1})]],
         rd.TransferError,
-        "corrupt stream",
+        "bad stream offer",
     ),
-    "chunk shorter than due": (_stream(b"\2" * CHUNK, b"\2" * 7), rd.TransferError, "7 bytes"),
-    "one huge chunk": (
-        [[_header(ok=True, inline=False, chunk=1 << 30)], [b"\3" * (sum(SIZES) + 3 * GUARD)]],
+    "a stream offer with a bad port": (
+        [[_header(ok=True, stream={"port": "x", "ticket": "00", "secret": "00"})]],
         rd.TransferError,
-        "corrupt stream",
+        "bad stream offer",
     ),
 }
 
@@ -298,23 +327,54 @@ def test_corrupt_tcp_replies_are_rejected_inside_the_buffer(ray_session, case):
 
 @pytest.mark.timeout(120)
 def test_truncated_tcp_stream_ends_at_the_deadline(ray_session):
-    fake = FakeAgent(_stream(b"\4" * CHUNK))  # then silence, connection open
+    port = FakeStreamPort(b"\4" * 4096)  # then silence, connection open
+    fake = FakeAgent([[port.offer()]])
     start = time.monotonic()
     try:
         with pytest.raises(TimeoutError):
             _receive(fake.address, "tcp", SIZES, timeout=3)
     finally:
         fake.stop()
+        port.stop()
     assert time.monotonic() - start < 3 + 2
 
 
 @pytest.mark.timeout(120)
 def test_truncated_tcp_stream_then_closed_is_a_lost_producer(ray_session):
-    fake = FakeAgent(_stream(b"\4" * CHUNK), close=True)
+    port = FakeStreamPort(b"\4" * 4096, close_after=0.2)
+    fake = FakeAgent([[port.offer()]], close=True)
     start = time.monotonic()
-    with pytest.raises(rd.ProducerLostError, match="unreachable"):
-        _receive(fake.address, "tcp", SIZES, timeout=60)
+    try:
+        with pytest.raises(rd.ProducerLostError, match="unreachable"):
+            _receive(fake.address, "tcp", SIZES, timeout=60)
+    finally:
+        port.stop()
     assert time.monotonic() - start < 20
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("before_deadline_s", [0.3, 1.0])
+def test_a_stream_broken_just_before_the_deadline_raises_by_the_deadline(
+    ray_session, before_deadline_s
+):
+    """Issue 24 item 6: telling a dead producer from a broken connection waits up to
+    2 s for evidence (``_channel.LOSS_GRACE_S``), but never past the caller's
+    deadline. The producer's agent stays up; its stream breaks shortly before the
+    deadline: the read ends by the deadline (plus scheduling), not 2 s later."""
+    timeout = 3.0
+    port = FakeStreamPort(b"\4" * 4096, close_after=timeout - before_deadline_s)
+    fake = FakeAgent([[port.offer()]])
+    start = time.monotonic()
+    try:
+        with pytest.raises((rd.TransferError, TimeoutError)) as info:
+            _receive(fake.address, "tcp", SIZES, timeout=timeout)
+    finally:
+        fake.stop()
+        port.stop()
+    elapsed = time.monotonic() - start
+    assert elapsed < timeout + 0.5, (elapsed, info.value)
+    if isinstance(info.value, rd.TransferError):
+        assert "broke" in str(info.value) and "read it again" in str(info.value)
 
 
 def _shm_reply(**fields: Any) -> list[list[bytes]]:

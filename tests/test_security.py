@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import secrets
+import socket
+import threading
 
 import pytest
 import ray
@@ -11,10 +13,10 @@ import torch
 import zmq
 
 import raydirect as rd
-from raydirect import _wire
+from raydirect import _channel, _wire
 
 from actors import Producer, check_value
-from helpers import wait_for
+from helpers import agent_dealer, wait_for
 
 
 def agent_address(actor) -> str:
@@ -37,15 +39,17 @@ _CONTEXT = zmq.Context()
 
 
 def request(**fields: object) -> bytes:
-    """A request as a raydirect process would send it (with the cluster token's proof)."""
-    proof = _wire.auth_proof()
-    return json.dumps({**fields, **({"auth": proof} if proof else {})}).encode()
+    """A request as a raydirect process would send it."""
+    return json.dumps(fields).encode()
+
+
+def dealer(address: str, keys: tuple[bytes, bytes] | None = None) -> zmq.Socket:
+    """A DEALER to the agent, with the cluster's CURVE key (or ``keys``)."""
+    return agent_dealer(_CONTEXT, address, keys)
 
 
 def ask(address: str, *frames: bytes) -> dict:
-    sock = _CONTEXT.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
+    sock = dealer(address)
     try:
         sock.send_multipart(list(frames))
         assert sock.poll(60_000), "the agent did not answer"
@@ -58,6 +62,7 @@ def test_agent_listens_on_the_node_address_only(producer):
     address = agent_address(producer)
     assert address.startswith(f"tcp://{ray.util.get_node_ip_address()}:")
     assert "0.0.0.0" not in address and "127.0.0.1" not in address
+    assert _wire.CURVE_MARK in address  # the control channel is CURVE-only, always
 
 
 def test_requests_without_the_right_capability_are_refused(producer):
@@ -82,11 +87,10 @@ def test_requests_without_the_right_capability_are_refused(producer):
     ):
         reply = ask(address, garbage)
         assert reply["ok"] is False and reply["kind"] == "bad_request"
-    # Valid JSON that cannot carry the cluster token's proof.
-    reply = ask(address, b"[1, 2]")
-    assert reply["kind"] == ("unauthenticated" if _wire.auth_proof() else "bad_request")
+    reply = ask(address, b"[1, 2]")  # valid JSON, not a request
+    assert reply["kind"] == "bad_request"
     # The agent survived all of it and still serves the real holder of the ref.
-    assert rd.get(ref, timeout=30, tensor_transport="tcp").tolist() == list(range(1000))
+    assert rd.get(ref, timeout=30, tensor_transport="tcp").tolist() == list(range(20_000))
     assert check_value("dtypes", rd.get(producer.value.remote("dtypes"), timeout=30)) is None
 
 
@@ -128,7 +132,7 @@ def test_agent_socket_is_bound_to_the_node_address(producer):
     import psutil
 
     address = agent_address(producer)
-    port = int(address.rsplit(":", 1)[1])
+    port = int(_wire.parse_address(address).endpoint.rsplit(":", 1)[1])
     pid = ray.get(producer.pid.remote())
     listening = [
         c.laddr
@@ -171,7 +175,7 @@ def test_refusals_are_logged_without_capabilities(producer):
     for secret in (cap_hex, wrong, freed_cap, obj_hex, freed_hex):
         assert secret not in text  # neither capabilities nor full object ids reach the log
         assert secret[8:24] not in text
-    assert rd.get(ref, timeout=30, tensor_transport="tcp").tolist() == list(range(1000))
+    assert rd.get(ref, timeout=30, tensor_transport="tcp").tolist() == list(range(20_000))
 
 
 def test_capabilities_are_128_bit_from_secrets(monkeypatch, ray_session):
@@ -187,7 +191,7 @@ def test_capabilities_are_128_bit_from_secrets(monkeypatch, ray_session):
         return value
 
     monkeypatch.setattr(producer_module.secrets, "token_bytes", spy)
-    refs = [rd.put({"t": torch.ones(4)}) for _ in range(8)]
+    refs = [rd.put({"t": torch.ones(20_000)}) for _ in range(8)]  # 80 KB each: direct
     capabilities = [o.capability for o in store._objects.values() if o.capability in drawn]
     assert len(capabilities) == 8 and len(set(capabilities)) == 8
     assert all(len(c) >= 16 for c in capabilities)  # 128 bits or more
@@ -196,43 +200,159 @@ def test_capabilities_are_128_bit_from_secrets(monkeypatch, ray_session):
 
 def test_ray_token_auth_is_required_by_the_agent(producer):
     """Ray 2.60 turns token auth on for a local ray.init() (RAY_AUTH_MODE=token; the
-    token in ~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH). Then our
-    agent refuses any request without a proof of that token."""
-    if _wire.auth_proof() is None:
+    token in ~/.ray/auth_token, RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH). Then the
+    agent admits only the cluster's CURVE key, derived from the token: any other
+    key fails the handshake, and not one message reaches the agent."""
+    if _wire.cluster_keys() is None:
         pytest.skip("Ray token authentication is off in this session (RAY_AUTH_MODE)")
     address = agent_address(producer)
-    worker_proof = ray.get(
+    worker_keys = ray.get(
         producer.__ray_call__.remote(
-            lambda self: __import__("raydirect._wire", fromlist=["x"]).auth_proof()
+            lambda self: __import__("raydirect._wire", fromlist=["x"]).cluster_keys()
         )
     )
-    assert worker_proof == _wire.auth_proof()  # every process of the cluster derives it
+    assert worker_keys == _wire.cluster_keys()  # every process of the cluster derives it
     token = ray._raylet.AuthenticationTokenLoader.instance().get_raw_token()
-    assert token not in worker_proof  # requests carry a digest of the token, never the token
+    assert token.encode() not in b"".join(worker_keys)  # a digest of the token, never it
     ref = producer.keep.remote("token")
     ray.wait([ref])
     obj_hex, cap_hex = next(iter(_objects(producer).items()))
-    fetch = {"op": "fetch", "obj": obj_hex, "cap": cap_hex, "transport": "tcp"}
-    for auth in (None, "", secrets.token_hex(32), 42):
-        fields = dict(fetch) if auth is None else {**fetch, "auth": auth}
-        reply = ask(address, json.dumps(fields).encode())
-        assert reply["ok"] is False and reply["kind"] == "unauthenticated", reply
-        assert "auth token" in reply["error"]
-    stats = ask(address, json.dumps({"op": "stats"}).encode())
-    assert stats["kind"] == "unauthenticated"  # even counts need the token
-    assert ask(address, request(**fetch))["ok"] is True  # the right proof: served
+    fetch = request(op="fetch", obj=obj_hex, cap=cap_hex, transport="tcp")
+    handled = _handled(producer)
+    for keys in (zmq.curve_keypair(), zmq.curve_keypair()):  # other clusters', or nobody's
+        sock = dealer(address, keys)
+        try:
+            sock.send(fetch)
+            assert not sock.poll(3000), "an agent answered a stranger"
+        finally:
+            sock.close()
+    assert _handled(producer) == handled  # nothing reached a handler
+    assert ask(address, fetch)["ok"] is True  # the cluster's key: served
+
+
+def _handled(actor) -> int:
+    """Requests the agent's admission let through so far (none from strangers)."""
+    return ray.get(
+        actor.__ray_call__.remote(
+            lambda self: __import__("raydirect._runtime", fromlist=["x"]).agent().admission.admitted
+        )
+    )
 
 
 def test_a_process_without_the_token_sees_a_clear_error(producer):
-    if _wire.auth_proof() is None:
+    if _wire.cluster_keys() is None:
         pytest.skip("Ray token authentication is off in this session (RAY_AUTH_MODE)")
     ref = producer.value_tcp.remote("dtypes")
     ray.wait([ref])
-    original = _wire.auth_proof
-    _wire.auth_proof = lambda: secrets.token_hex(32)  # as a process of another cluster
+    original = _wire.client_keys
+    stranger = zmq.curve_keypair()
+    _forget_channels()
+    _wire.client_keys = lambda: stranger  # as a process of another cluster
     try:
         with pytest.raises(rd.TransferError, match="refused this process.*cluster's token"):
             rd.get(ref, timeout=30, tensor_transport="tcp")
     finally:
-        _wire.auth_proof = original
+        _wire.client_keys = original
+        _forget_channels()
     assert check_value("dtypes", rd.get(ref, timeout=30, tensor_transport="tcp")) is None
+
+
+def _forget_channels() -> None:
+    """Close this thread's cached channels (the next read opens new ones)."""
+    cache = _channel._channels.channels
+    while cache:
+        cache.popitem()[1].close()
+
+
+def test_a_replayed_connection_is_not_served(producer):
+    """Every byte a real consumer sent to the agent, recorded on the way (a proxy)
+    and replayed on a new connection: CURVE's per-connection keys make it junk,
+    and no request reaches a handler."""
+    address = agent_address(producer)
+    parts = _wire.parse_address(address)
+    host, port = parts.host, int(parts.endpoint.rsplit(":", 1)[1])
+    recorded = bytearray()
+    listener = socket.create_server((ray.util.get_node_ip_address(), 0))
+
+    def proxy() -> None:
+        client, _ = listener.accept()
+        upstream = socket.create_connection((host, port))
+        done = threading.Event()
+
+        def pump(src, dst, keep) -> None:
+            try:
+                while data := src.recv(65536):
+                    if keep:
+                        recorded.extend(data)
+                    dst.sendall(data)
+            except OSError:
+                pass
+            done.set()
+
+        threading.Thread(target=pump, args=(upstream, client, False), daemon=True).start()
+        pump(client, upstream, True)
+        done.wait(5)
+        client.close()
+        upstream.close()
+
+    thread = threading.Thread(target=proxy, daemon=True)
+    thread.start()
+    proxied = address.replace(
+        parts.endpoint, f"tcp://{listener.getsockname()[0]}:{listener.getsockname()[1]}"
+    )
+    ref = producer.keep.remote("replayed")
+    ray.wait([ref])
+    obj_hex, cap_hex = next(iter(_objects(producer).items()))
+    reply = ask(proxied, request(op="fetch", obj=obj_hex, cap=cap_hex, transport="tcp"))
+    assert reply["ok"] is True and recorded
+    thread.join(10)
+    handled = _handled(producer)
+    with socket.create_connection((host, port), timeout=10) as replay:
+        replay.sendall(bytes(recorded))
+        replay.settimeout(3)
+        got = b""
+        try:
+            while chunk := replay.recv(65536):
+                got += chunk
+        except (TimeoutError, ConnectionResetError):
+            pass
+    assert cap_hex.encode() not in got and b'"ok": true' not in got
+    assert _handled(producer) == handled  # the replay never became a request
+    listener.close()
+
+
+def test_the_agent_caps_its_connections_shedding_unproven_ones(ray_session):
+    """Connections that never finish a handshake are shed once the agent holds more
+    than its cap (the oldest still within their handshake window first), and a real
+    consumer still gets through."""
+    from raydirect._server import Server
+
+    server = Server("127.0.0.1")
+    server.connections.limit = 8
+    silent = [socket.create_connection(("127.0.0.1", _port(server.address))) for _ in range(20)]
+    try:
+        wait_for(lambda: server.connections.shed >= 12, timeout=20, what="shed")
+        assert len(server.connections) <= 8
+        reply = _channel.request(server.address, {"op": "stats"}, timeout=20)
+        assert reply["ok"] is True and "stats" in reply
+        assert sum(map(_closed, silent)) >= 12  # the shed ones were shut by the agent
+    finally:
+        for conn in silent:
+            conn.close()
+
+
+def _closed(conn: socket.socket) -> bool:
+    """Did the peer close ``conn`` (after whatever greeting it sent)?"""
+    conn.settimeout(0.5)
+    try:
+        while conn.recv(4096):
+            pass
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+    return True
+
+
+def _port(address: str) -> int:
+    return int(_wire.parse_address(address).endpoint.rsplit(":", 1)[1])

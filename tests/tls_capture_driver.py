@@ -106,10 +106,10 @@ def main() -> None:
         def make_bulk(self) -> Any:
             return self.bulk
 
-        def agent(self) -> str:
+        def agent(self) -> tuple[str, str]:
             from raydirect import _runtime
 
-            return _runtime.agent().address
+            return _runtime.agent().address, rd.local_stats().encryption
 
     ray.init(num_cpus=4, include_dashboard=False, logging_level="warning")
     producers = {
@@ -119,7 +119,7 @@ def main() -> None:
     want = pattern_tensor(PATTERN_BYTES)
     result: dict[str, Any] = {"tls": os.environ["RAY_USE_TLS"]}
     for name, p in producers.items():
-        address = ray.get(p.agent.remote())
+        address, encryption = ray.get(p.agent.remote())
         ref = p.make.remote()
         ray.wait([ref])
         capture = Capture()
@@ -132,6 +132,7 @@ def main() -> None:
             times.append(time.perf_counter() - t0)
         result[name] = {
             "address": address,
+            "encryption": encryption,
             "exact": bool(torch.equal(got, want)),
             "captured_bytes": len(seen),
             "pattern_found": PATTERN[:32] in seen,

@@ -12,6 +12,7 @@ import ray
 
 import raydirect as rd
 from raydirect import _native as native
+from raydirect._tls import ENCRYPT_ENV, RECORDS_ENV
 from rdbench.actors import Consumer, Producer, RdtConsumer, RdtProducer
 from rdbench.common import (
     GROUP_NIXL,
@@ -78,6 +79,7 @@ class Context:
     _consumers: list[Any] = field(default_factory=list)
     _rdt_actors: list[Any] = field(default_factory=list)  # producer, then consumers
     _tuned: list[Any] = field(default_factory=list)  # producer, then consumers
+    _encrypted: dict[str, Any] = field(default_factory=dict)  # RAYDIRECT_ENCRYPT=1, by records
     _rdt_group: Any = None
     _rd_group: bool = False
 
@@ -125,6 +127,18 @@ class Context:
             ray.get([a.__ray_ready__.remote() for a in self._tuned], timeout=SETUP_TIMEOUT_S)
         return self._tuned[0], self._tuned[1 : consumers + 1]
 
+    def encrypted_producer(self, records: str = "frames") -> Any:
+        """A producer whose agent encrypts its stream port (``RAYDIRECT_ENCRYPT=1``:
+        TLS 1.3 with a certificate it makes, then ``records``, the record layer of
+        ``RAYDIRECT_TLS_RECORDS``; the consumer needs nothing)."""
+        if records not in self._encrypted:
+            log(f"starting an encrypting producer (RAYDIRECT_ENCRYPT=1, {records})")
+            env = {"env_vars": {ENCRYPT_ENV: "1", RECORDS_ENV: records}}
+            producer = Producer.options(runtime_env=env).remote()
+            ray.get(producer.__ray_ready__.remote(), timeout=SETUP_TIMEOUT_S)
+            self._encrypted[records] = producer
+        return self._encrypted[records]
+
     def raydirect_pair(self) -> tuple[Any, Any]:
         """Producer 0 and consumer 0, in one raydirect Gloo group (for ``gloo``)."""
         producer, consumer = self.producers(1)[0], self.consumers(1)[0]
@@ -148,7 +162,12 @@ class Context:
 
     def release(self) -> None:
         """Drop every producer's tensors (between workloads)."""
-        producers = [*self._producers, *self._rdt_actors[:1], *self._tuned[:1]]
+        producers = [
+            *self._producers,
+            *self._rdt_actors[:1],
+            *self._tuned[:1],
+            *self._encrypted.values(),
+        ]
         try:
             ray.get([p.release.remote() for p in producers], timeout=SETUP_TIMEOUT_S)
         except Exception as exc:
@@ -169,7 +188,13 @@ class Context:
                 destroy_collective_group(self._rdt_group)
             except Exception as exc:  # e.g. RDT already tore it down after a failure
                 log(f"RDT: destroy_collective_group: {describe_error(exc)}")
-        for actor in [*self._producers, *self._consumers, *self._rdt_actors, *self._tuned]:
+        for actor in [
+            *self._producers,
+            *self._consumers,
+            *self._rdt_actors,
+            *self._tuned,
+            *self._encrypted.values(),
+        ]:
             ray.kill(actor)
 
 

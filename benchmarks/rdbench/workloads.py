@@ -10,6 +10,8 @@ not supported by that system) is a row with ``skipped`` set and a reason.
 from __future__ import annotations
 
 import functools
+import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -17,6 +19,7 @@ from typing import Any
 
 import ray
 import torch
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 import raydirect as rd
 from rdbench.actors import RAYDIRECT_TRANSPORTS, RECEIVERS
@@ -126,6 +129,11 @@ def actor_to_actor(ctx: Context) -> list[Row]:
                 for t in transports
             ]
             pair_rows(producer, consumer, systems)
+        if "tcp" in transports:  # the same, from producers whose stream port encrypts
+            for records, system in (("frames", TCP_ENCRYPTED), ("tls", TCP_TLS_RECORDS)):
+                sealed = ctx.encrypted_producer(records)
+                for n in sizes:
+                    pair_rows(sealed, consumer, [(row(system, n), sealed.one_tcp.remote, None)])
     if cfg.wants(GROUP_RAY):
         producer, consumer = ctx.producers(1)[0], ctx.consumers(1)[0]
         for n in sizes:
@@ -147,8 +155,59 @@ def actor_to_actor(ctx: Context) -> list[Row]:
         log("w1 floors: in-process copies in the driver")
         for n in sizes:
             rows += copy_floors(n, cfg.repeats(n))
+            rows += wire_floors(n, cfg.repeats(n))
     ctx.release()
     return rows
+
+
+TCP_ENCRYPTED = "raydirect tcp (encrypted, TLS)"
+TCP_TLS_RECORDS = "raydirect tcp (encrypted, TLS records in user space)"
+FLOOR_SOCKET = "floor: one TCP stream over the node address, no encryption"
+FLOOR_SEAL = "floor: AES-256-GCM encrypt, one core (1 MiB frames)"
+
+
+def wire_floors(nbytes: int, repeats: int) -> list[Row]:
+    """What the wire costs in the driver: the bytes over one plain TCP connection
+    to itself on the node's address (kernel copies in and out: what ``tcp`` in
+    clear pays per stream), and an AES-256-GCM encryption of the same bytes in
+    1 MiB frames on one core (what the encrypted stream pays on top, each side)."""
+    src = bytearray(nbytes)
+    dest = bytearray(nbytes)
+    frame = 1 << 20
+    sealed = bytearray(frame + 16)
+    aead = AESGCM(AESGCM.generate_key(bit_length=256))
+
+    def over_socket(seed: int) -> float:
+        listener = socket.create_server((ray.util.get_node_ip_address(), 0))
+        sender = threading.Thread(
+            target=lambda: listener.accept()[0].sendall(memoryview(src)), daemon=True
+        )
+        sender.start()
+        with socket.create_connection(listener.getsockname()) as conn:
+            start = time.perf_counter()
+            view = memoryview(dest)
+            while len(view):
+                view = view[conn.recv_into(view) :]
+            seconds = time.perf_counter() - start
+        sender.join()
+        listener.close()
+        return seconds
+
+    def seal(seed: int) -> float:
+        view = memoryview(src)
+        start = time.perf_counter()
+        for i, at in enumerate(range(0, nbytes, frame)):
+            piece = view[at : at + frame]
+            aead.encrypt_into(
+                i.to_bytes(12, "little"), piece, None, memoryview(sealed)[: len(piece) + 16]
+            )
+        return time.perf_counter() - start
+
+    param = format_size(nbytes)
+    return [
+        run_row(Row(1, FLOOR_SOCKET, param, nbytes, nbytes), repeats, over_socket, seeds()),
+        run_row(Row(1, FLOOR_SEAL, param, nbytes, nbytes), repeats, seal, seeds()),
+    ]
 
 
 def copy_floors(nbytes: int, repeats: int) -> list[Row]:

@@ -1,25 +1,22 @@
 """Admission control for the agent: who gets a worker thread, decided on the
 agent's loop thread before any decoding.
 
-Anyone who can reach an agent's port can send it messages. Before this, every
-message was queued for a worker without bound and served in arrival order:
-two local clients sending junk as fast as they could starved a real transfer
-for a minute. Now, per message and in this order:
+Only peers that completed the CURVE handshake reach this point (``_gate``:
+where Ray's token authentication is on, that means holding the cluster's key),
+so nothing here is about strangers. Before this, every message was queued for
+a worker without bound and served in arrival order: two local clients sending
+as fast as they could starved a real transfer for a minute. Now, per message
+and in this order:
 
 1. *Shape*: exactly an identity and one frame, else dropped.
-2. *Authentication*, where Ray's token auth is on: a real request carries the
-   cluster's proof as the literal bytes ``"auth": "<digest>"`` (``_wire``), so
-   one substring search tells junk apart; no JSON is parsed. Junk is dropped;
-   a refusal naming the fix is sent back to at most ``REFUSALS_PER_S`` of them
-   per second (a real process without the token still learns why).
-3. *Per-peer limit*: at most ``PEER_IN_FLIGHT`` requests of one connection
+2. *Per-peer limit*: at most ``PEER_IN_FLIGHT`` requests of one connection
    queued or running; beyond that the peer is told the agent is busy.
-4. *Bounded lanes*: at most ``LANE_QUEUE`` requests waiting per lane; beyond
+3. *Bounded lanes*: at most ``LANE_QUEUE`` requests waiting per lane; beyond
    that, busy.
 
 ZeroMQ's ROUTER already reads its connections fairly (one message from each in
-turn), so an authenticated consumer's request waits behind at most one message
-per flooding connection, and those cost a substring search each.
+turn), so a consumer's request waits behind at most one message per flooding
+connection, and those cost a fixed-size peek each (``_server._peek_op``).
 """
 
 from __future__ import annotations
@@ -33,7 +30,6 @@ log = logging.getLogger("raydirect")
 
 PEER_IN_FLIGHT = 64
 LANE_QUEUE = 1024
-REFUSALS_PER_S = 50
 LOG_EVERY_S = 10.0
 LOG_BURST = 10
 
@@ -65,24 +61,6 @@ class RateLimitedLog:
         log.warning(message + suffix, *args)
 
 
-class TokenBucket:
-    """At most ``rate`` events per second (bursts of up to ``rate``)."""
-
-    def __init__(self, rate: float) -> None:
-        self._rate = rate
-        self._tokens = rate
-        self._at = time.monotonic()
-
-    def take(self) -> bool:
-        now = time.monotonic()
-        self._tokens = min(self._rate, self._tokens + (now - self._at) * self._rate)
-        self._at = now
-        if self._tokens < 1:
-            return False
-        self._tokens -= 1
-        return True
-
-
 class Admission:
     """Counts of requests queued or running, per peer and per lane."""
 
@@ -91,6 +69,7 @@ class Admission:
         self._lanes: Counter[str] = Counter({lane: 0 for lane in lanes})
         self._lock = threading.Lock()
         self.refused: Counter[str] = Counter()  # reason -> count, for stats and tests
+        self.admitted = 0  # requests let through to a lane, ever
 
     def admit(self, peer: bytes, lane: str) -> str | None:
         """None if the request may be queued (then call ``done`` when it ends), else
@@ -103,6 +82,7 @@ class Admission:
             else:
                 self._peers[peer] += 1
                 self._lanes[lane] += 1
+                self.admitted += 1
                 return None
             self.refused["busy"] += 1
             return reason

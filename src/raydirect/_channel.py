@@ -1,15 +1,20 @@
 """The consumer's side of the control channel: DEALER sockets to producers' agents.
 
-Consumers talk through a per-thread cache of DEALER sockets. A socket monitor
-and ZeroMQ heartbeats (answered by the peer's I/O thread, GIL or not) turn a
-dead or unreachable producer into ``ProducerLostError`` within seconds; where
-the producer is on this node, its pid is checked while waiting too.
+Consumers talk through a per-thread cache of DEALER sockets, CURVE-encrypted to
+the key in the agent's address, presenting the cluster's client key
+(``_wire.client_keys``). A socket monitor and ZeroMQ heartbeats (answered by the
+peer's I/O thread, GIL or not) turn a dead or unreachable producer into
+``ProducerLostError`` within seconds; where the producer is on this node, its
+pid is checked while waiting too.
+
+Why a connection broke (the producer died, or only the connection did) is
+decided in one place, ``Channel.why_broken``, for the control channel and the
+bulk streams alike, and never waits past the caller's deadline.
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -21,7 +26,7 @@ import zmq
 from zmq.utils.monitor import recv_monitor_message
 
 from raydirect import _wire
-from raydirect.errors import ProducerLostError, TransferError
+from raydirect.errors import ProducerLostError, RaydirectError, TransferError
 
 _HEARTBEAT_IVL_MS = 2000
 # Generous: a loaded 2-core machine can starve an I/O thread for seconds, and a
@@ -36,8 +41,13 @@ _CACHED_CHANNELS = 16  # per thread
 # times in a row mean nobody serves that address any more.
 _REFUSALS_BEFORE_LOST = 5
 _POLL_SLICE_MS = 200
-_DEATH_GRACE_S = 0.5
-# Stream messages a consumer buffers ahead of its reader (16 MiB each for tcp).
+# How long a broken connection waits for evidence of the producer's death before
+# calling it a broken connection to a live producer: a killed process closes its
+# sockets a moment before /proc shows it dead, and its agent's connection drops
+# (or its heartbeat stops) a moment after a stream broke. Never past the deadline.
+LOSS_GRACE_S = 2.0
+_SAME_NODE_GRACE_S = 0.5  # where the pid answers, this is enough
+_GRACE_POLL_S = 0.02
 _READ_AHEAD_MESSAGES = 4
 
 _HANDSHAKE_FAILED = (
@@ -45,20 +55,6 @@ _HANDSHAKE_FAILED = (
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
 )
-
-
-_client_keys: tuple[bytes, bytes] | None = None
-_client_keys_lock = threading.Lock()
-
-
-def _curve_client_keys() -> tuple[bytes, bytes]:
-    """This process's CURVE key pair as a client (ephemeral: agents accept any
-    client key; who may read what is decided by the token proof and capabilities)."""
-    global _client_keys
-    with _client_keys_lock:
-        if _client_keys is None:
-            _client_keys = zmq.curve_keypair()
-        return _client_keys
 
 
 class Channel:
@@ -73,9 +69,11 @@ class Channel:
 
     def __init__(self, address: str) -> None:
         self.address = address
+        parts = _wire.parse_address(address)
+        self.endpoint, self.host, self.tls_pin = parts.endpoint, parts.host, parts.tls
+        # The agent gives each connection a routing id of its own (no handover): a
+        # reconnect is a new peer, and this channel then counts as broken (``lost``).
         self.socket: zmq.Socket = zmq.Context.instance().socket(zmq.DEALER)
-        # A fixed routing id: after a reconnect the agent's replies still reach us.
-        self.socket.setsockopt(zmq.ROUTING_ID, secrets.token_bytes(16))
         for opt, value in (
             (zmq.RCVHWM, _READ_AHEAD_MESSAGES),
             (zmq.SNDHWM, 0),
@@ -88,15 +86,13 @@ class Channel:
             (zmq.RECONNECT_IVL_MAX, _RECONNECT_IVL_MAX_MS),
         ):
             self.socket.setsockopt(opt, value)
-        self.endpoint, server_key = _wire.split_address(address)
-        if server_key is not None:
-            public, secret = _curve_client_keys()
-            for opt, key in (
-                (zmq.CURVE_SERVERKEY, server_key),
-                (zmq.CURVE_PUBLICKEY, public),
-                (zmq.CURVE_SECRETKEY, secret),
-            ):
-                self.socket.setsockopt(opt, key)
+        public, secret = _wire.client_keys()
+        for opt, key in (
+            (zmq.CURVE_SERVERKEY, parts.curve_key),
+            (zmq.CURVE_PUBLICKEY, public),
+            (zmq.CURVE_SECRETKEY, secret),
+        ):
+            self.socket.setsockopt(opt, key)
         self.monitor: zmq.Socket = self.socket.get_monitor_socket(
             zmq.EVENT_HANDSHAKE_SUCCEEDED
             | zmq.EVENT_DISCONNECTED
@@ -107,6 +103,7 @@ class Channel:
         self.connected = False
         self.refusals = 0
         self.lost = False
+        self.auth_refused = False  # the agent's ZAP handler refused our key
         self.poller = zmq.Poller()
         self.poller.register(self.socket, zmq.POLLIN)
         self.poller.register(self.monitor, zmq.POLLIN)
@@ -128,6 +125,9 @@ class Channel:
                 if self.connected:
                     self.lost = True
                 self.connected = False
+            elif event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                self.auth_refused = True
+                self.refusals += 1
             elif event == zmq.EVENT_CONNECT_RETRIED or event & _HANDSHAKE_FAILED:
                 self.refusals += 1
 
@@ -136,12 +136,9 @@ class Channel:
         channel opened to an agent that died before it answered never connects,
         and would otherwise stay cached with its sockets)."""
         self._read_monitor()
-        return not self.lost and (self.connected or self.refusals == 0)
+        return not self.lost and not self.auth_refused and (self.connected or self.refusals == 0)
 
     def send(self, header: dict[str, Any]) -> None:
-        proof = _wire.auth_proof()
-        if proof is not None:
-            header = {**header, "auth": proof}
         self.socket.send(_wire.encode_header(header))
 
     def wait_readable(self, deadline: float | None, who: str) -> None:
@@ -157,38 +154,62 @@ class Channel:
             events = dict(self.poller.poll(timeout))
             if self.socket in events:
                 return
-            self.check_peer(who)
+            self.check_peer(who, deadline)
 
-    def check_peer(self, who: str) -> None:
+    def check_peer(self, who: str, deadline: float | None = None) -> None:
         """``ProducerLostError`` (or ``TransferError`` for a broken connection to a
-        live producer) if the peer is gone; nothing while it is reachable."""
+        live producer, or a refused key) if the peer is gone; nothing while it is
+        reachable."""
         self._read_monitor()
+        if self.auth_refused:
+            raise _wire.unauthenticated_error(who)
         if self.producer_alive is not None and not self.producer_alive():
             raise ProducerLostError.of(who, "is no longer running")
         if self.lost:
-            if self.producer_alive is not None and self._outlives_grace(self.producer_alive):
-                # Same node and still running: only the connection broke (reset,
-                # closed socket), the object is intact and a new read can succeed.
-                raise TransferError(
-                    f"the connection to the agent of {who} broke during the transfer; "
-                    "the producer is alive and still holds the object: read it again"
-                )
-            raise ProducerLostError.of(who, "is unreachable: its process died or its node is down")
+            raise self.why_broken(who, deadline, f"the connection to the agent of {who} broke")
         if not self.connected and self.refusals >= _REFUSALS_BEFORE_LOST:
             raise ProducerLostError.of(
                 who, f"cannot be reached at {self.address}: its process died or restarted"
             )
 
-    @staticmethod
-    def _outlives_grace(alive: Callable[[], bool]) -> bool:
-        """A killed process closes its sockets a moment before /proc shows it dead:
-        only a producer still running after a short grace counts as alive."""
-        until = time.monotonic() + _DEATH_GRACE_S
-        while time.monotonic() < until:
-            if not alive():
-                return False
-            time.sleep(0.02)
-        return alive()
+    def _dead(self) -> str | None:
+        """What the evidence says about the producer: how it is gone, or None."""
+        self._read_monitor()
+        alive = self.producer_alive
+        if alive is not None:
+            return None if alive() else "is no longer running"
+        if self.lost:  # another node: its agent's connection dropped
+            return "is unreachable: its process died or its node is down"
+        if not self.connected and self.refusals >= _REFUSALS_BEFORE_LOST:
+            return f"cannot be reached at {self.address}: its process died or restarted"
+        return None
+
+    def why_broken(
+        self, who: str, deadline: float | None, what: str, detail: str = ""
+    ) -> RaydirectError:
+        """The error for a connection to the producer that broke (this channel, or
+        a bulk stream): ``ProducerLostError`` once the producer is seen gone,
+        ``TransferError`` ("read it again") if it is still there after a grace.
+        The one place that tells the two apart; it waits at most the grace, and
+        never past ``deadline``: what is known by then is what is raised."""
+        grace = _SAME_NODE_GRACE_S if self.producer_alive is not None else LOSS_GRACE_S
+        until = time.monotonic() + grace
+        if deadline is not None:
+            until = min(until, deadline)
+        while True:
+            gone = self._dead()
+            if gone is not None:
+                return ProducerLostError.of(who, gone)
+            if time.monotonic() >= until:
+                break
+            time.sleep(_GRACE_POLL_S)
+        if self.lost and self.producer_alive is None:
+            return ProducerLostError.of(who, "is unreachable: its process died or its node is down")
+        detail = f" ({detail})" if detail else ""
+        return TransferError(
+            f"{what} during the transfer{detail}; the producer is alive and still holds "
+            "the object: read it again"
+        )
 
     def recv_reply(
         self, deadline: float | None, who: str
@@ -199,14 +220,6 @@ class Channel:
         header = _wire.decode_header(parts[0].bytes, who)
         _wire.raise_for_refusal(header, who)
         return header, parts[1:]
-
-    def recv_into(self, view: memoryview, deadline: float | None, who: str) -> None:
-        self.wait_readable(deadline, who)
-        got = self.socket.recv_into(view)
-        if got != len(view):
-            raise TransferError(
-                f"corrupt stream from {who}: a chunk of {got} bytes where {len(view)} were due"
-            )
 
 
 class _ChannelCache(threading.local):

@@ -9,7 +9,11 @@
                        producer registers the object's memory when first asked),
                        else a collective group both are in (``gloo`` for cpu,
                        ``nccl`` for cuda), else ``tcp``; a producer whose nixl
-                       read fails is read over the next choice from then on
+                       read fails is read over the next choice from then on.
+                       Under encryption (this process's, or a producer whose
+                       stream port encrypts) ``tcp`` always: nixl and the
+                       groups move bytes in clear, and naming one logs a
+                       warning once
 A declared same-node transport read from another node, and a two-sided
 transport read outside the producer's group (the driver, a non-member), fall
 back to ``tcp``, logged once per process.
@@ -20,8 +24,9 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
+from typing import Any
 
-from raydirect import _ray
+from raydirect import _ray, _tls, _wire
 from raydirect._payload import Payload, ProducerInfo
 from raydirect.errors import GroupError, TransportUnavailableError
 from raydirect.transports import nixl
@@ -34,6 +39,7 @@ SAME_NODE_FALLBACK = "shm"
 _SAME_NODE_CUDA = "cuda_ipc"
 CROSS_NODE = "tcp"
 CROSS_NODE_ENGINE = "nixl"
+_CLEAR_ACROSS_NODES = frozenset({"nixl", "gloo", "nccl"})  # what raydirect does not encrypt
 _REFUSALS_KEPT = 1024
 
 
@@ -59,7 +65,7 @@ class _Refusals:
 
 refused_cma = _Refusals()  # producers whose memory the kernel refuses to cross-read
 refused_nixl = _Refusals()  # ... and those nixl failed to read
-_logged_fallbacks: set[str] = set()
+_logged_fallbacks: set[Any] = set()
 _lock = threading.Lock()
 
 
@@ -75,6 +81,8 @@ def choose_transport(payload: Payload, forced: str | None) -> str:
     if transport_class(wanted).same_node_only and not same_node:
         _log_fallback_once(wanted, "reaches only the producer's node; objects from other nodes")
         return CROSS_NODE
+    if wanted in _CLEAR_ACROSS_NODES and not same_node and _encrypting(payload):
+        _warn_clear_once(wanted)
     transport = transport_instance(wanted)
     if not transport.byte_transport:
         if wanted not in payload.transport_meta:
@@ -109,6 +117,25 @@ def choose_transport(payload: Payload, forced: str | None) -> str:
     return wanted
 
 
+def _encrypting(payload: Payload) -> bool:
+    """Does this read fall under encryption: this process encrypts, or the
+    producer's stream port does (its address carries a TLS pin)?"""
+    return _tls.encryption_wanted() or _wire.TLS_MARK in payload.producer.agent_address
+
+
+def _warn_clear_once(name: str) -> None:
+    with _lock:
+        first = ("clear", name) not in _logged_fallbacks
+        _logged_fallbacks.add(("clear", name))
+    if first:
+        log.warning(
+            "raydirect: %r was named under encryption (RAY_USE_TLS or RAYDIRECT_ENCRYPT): "
+            "it moves tensor bytes across nodes in clear; 'auto' would use the encrypted "
+            "tcp stream",
+            name,
+        )
+
+
 def _choose_auto(payload: Payload, same_node: bool) -> str:
     producer = payload.producer
     cuda = "cuda" in payload.metas.devices
@@ -118,6 +145,8 @@ def _choose_auto(payload: Payload, same_node: bool) -> str:
         if producer in refused_cma:
             return SAME_NODE_FALLBACK
         return SAME_NODE
+    if _encrypting(payload):  # never a transport that moves bytes in clear across machines
+        return CROSS_NODE
     if (
         CROSS_NODE_ENGINE in producer.transports
         and producer not in refused_nixl

@@ -1,10 +1,10 @@
 """The agent runtime: this process's one server, started on first use.
 
 Starting it allows cross-memory reads of this process (``cma``), removes what
-dead producers on this node left in shared memory, binds the server to the
-node's Ray address (encrypted with CURVE when ``encryption_wanted``, else with a
-stream port for bulk ``tcp`` reads beside it) and announces it in Ray's
-key-value store for ``raydirect status``. The ``stats`` op is served from here.
+dead producers on this node left in shared memory, binds the server (CURVE) and
+its stream port for bulk ``tcp`` reads to the node's Ray address (the stream
+port in TLS when ``_tls.encryption_wanted``) and announces it in Ray's key-value
+store for ``raydirect status``. The ``stats`` op is served from here.
 """
 
 from __future__ import annotations
@@ -17,14 +17,12 @@ import os
 import threading
 from typing import Any
 
-from raydirect import _process, _ray, _server, _stream_server, _wire
+from raydirect import _process, _ray, _server, _stream_server, _tls, _wire
 from raydirect._server import CONTROL, Reply, Server
 from raydirect._store import store
 from raydirect.transports.shm import sweep_dead_segments
 
 log = logging.getLogger("raydirect")
-
-ENCRYPT_ENV = "RAYDIRECT_ENCRYPT"
 
 _agent: Server | None = None
 _agent_lock = threading.Lock()
@@ -39,38 +37,21 @@ def agent(label: str | None = None) -> Server:
             if _agent is None:
                 _process.allow_memory_reads()
                 sweep_dead_segments()
-                encrypt = encryption_wanted()
-                _agent = Server(_ray.node_ip(), encrypt=encrypt)
-                if not encrypt:  # bulk streams are plain TCP: encrypted agents keep to CURVE
-                    _stream_server.start(_ray.node_ip())
-                _announce(_agent, label)
-                if _ray.tls_enabled() and not encrypt:
+                security = _tls.server_security() if _tls.encryption_wanted() else None
+                streams = _stream_server.start(_ray.node_ip(), security)
+                _agent = Server(_ray.node_ip(), tls=None if security is None else security.pin)
+                store.encryption = streams.encryption
+                _announce(_agent, label, streams.encryption)
+                if _ray.tls_enabled() and security is None:
                     log.warning(
-                        "raydirect: Ray TLS is on (RAY_USE_TLS), but %s=0: raydirect's control "
-                        "channel and tcp transport are not encrypted, tensor bytes cross the "
-                        "network in clear",
-                        ENCRYPT_ENV,
+                        "raydirect: Ray TLS is on (RAY_USE_TLS), but %s=0: raydirect's tcp "
+                        "transport is not encrypted, tensor bytes cross the network in clear",
+                        _tls.ENCRYPT_ENV,
                     )
     return _agent
 
 
-def encryption_wanted() -> bool:
-    """Whether this process's agent encrypts (``RAYDIRECT_ENCRYPT``; unset: when
-    Ray's TLS is on)."""
-    raw = os.environ.get(ENCRYPT_ENV, "").strip().lower()
-    if raw in ("", "auto"):
-        return _ray.tls_enabled()
-    if raw in ("1", "true", "on", "yes"):
-        return True
-    if raw in ("0", "false", "off", "no"):
-        return False
-    raise ValueError(
-        f"{ENCRYPT_ENV}={raw!r}: expected 1 (encrypt), 0 (do not), or unset it to "
-        "encrypt exactly when Ray's TLS is on (RAY_USE_TLS=1)"
-    )
-
-
-def _announce(server: Server, label: str | None) -> None:
+def _announce(server: Server, label: str | None, encryption: str) -> None:
     """Publish this agent for ``raydirect status``; withdrawn at a clean exit."""
     key = f"{_ray.node_id()}/{_process.PID}"
     info = {
@@ -79,6 +60,7 @@ def _announce(server: Server, label: str | None) -> None:
         "node_id": _ray.node_id(),
         "actor_id": _ray.current_actor_id(),
         "label": label or _ray.current_task_label(),
+        "encryption": encryption,
     }
     try:
         _ray.publish_agent(key, json.dumps(info).encode())

@@ -8,9 +8,10 @@ only after its current task.
 It knows no op's meaning. Each layer registers the ops it owns (``register``),
 as dask/distributed's ``Server(handlers=...)`` is filled by its extensions:
 the producer registers fetch/meta/sent/abort, the group API the group ops, the
-agent runtime ``stats``. The server checks what every op needs before its
-handler runs: the cluster's auth proof, and for object ops that the object is
-held here and the request carries its capability.
+agent runtime ``stats``. Who may connect at all is settled by the CURVE
+handshake (``_gate``: the cluster's key where Ray's token authentication is on);
+for object ops the server checks that the object is held here and the request
+carries its capability before the handler runs.
 
 Handlers run on worker threads, in one of three lanes: ``DATA`` for ops that
 may take long (streaming an object, a collective send), ``CONTROL`` for short
@@ -19,7 +20,8 @@ which a plug-in that cannot abort may hold for as long as its send hangs; so
 slow consumers and stuck plug-ins never hold up the rest. Replies reach the
 ROUTER socket through an inproc queue because a ZeroMQ socket belongs to one
 thread. What reaches a lane at all is decided first, on the loop thread,
-without decoding (``_admission``).
+without decoding (``_admission``). The agent's sockets live in a ZeroMQ context
+of their own, so its ZAP handler answers for its ROUTER only.
 """
 
 from __future__ import annotations
@@ -37,7 +39,8 @@ from typing import Any
 import zmq
 
 from raydirect import _wire
-from raydirect._admission import REFUSALS_PER_S, Admission, RateLimitedLog, TokenBucket
+from raydirect._admission import Admission, RateLimitedLog
+from raydirect._gate import HANDSHAKE_S, ConnectionCap, ZapHandler
 from raydirect._store import StoredObject, store
 
 log = logging.getLogger("raydirect")
@@ -54,11 +57,11 @@ _RCVHWM = 1000
 _BATCH = 256  # messages handled per turn of the loop, each way
 
 
-def open_reply_socket(outbox_address: str, local: threading.local) -> zmq.Socket:
+def open_reply_socket(ctx: zmq.Context, outbox_address: str, local: threading.local) -> zmq.Socket:
     """The calling worker thread's socket to the agent's outbox (ZeroMQ sockets
     belong to one thread). Opened when the thread starts, so that the agent's
     fds are fixed from then on, whichever threads serve what."""
-    sock: zmq.Socket = zmq.Context.instance().socket(zmq.PUSH)
+    sock: zmq.Socket = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.SNDHWM, 0)
     sock.connect(outbox_address)
     local.push = sock
@@ -68,24 +71,23 @@ def open_reply_socket(outbox_address: str, local: threading.local) -> zmq.Socket
 class Reply:
     """How a handler answers one request (from its worker thread)."""
 
-    def __init__(self, outbox_address: str, identity: bytes, local: threading.local) -> None:
+    def __init__(
+        self, ctx: zmq.Context, outbox_address: str, identity: bytes, local: threading.local
+    ) -> None:
+        self._ctx = ctx
         self._address = outbox_address
         self._identity = identity
         self._local = local
 
     def _socket(self) -> zmq.Socket:
         sock = getattr(self._local, "push", None)
-        return open_reply_socket(self._address, self._local) if sock is None else sock
+        return open_reply_socket(self._ctx, self._address, self._local) if sock is None else sock
 
     def send(self, header: dict[str, Any], *frames: Any, copy: bool = True) -> None:
         """One message: a JSON header and optional raw frames (sent zero-copy with
         ``copy=False``; ZeroMQ then holds a reference to each buffer until sent)."""
         parts = [self._identity, _wire.encode_header(header), *frames]
         self._socket().send_multipart(parts, copy=copy)
-
-    def send_frame(self, frame: Any) -> None:
-        """One message of raw bytes, zero-copy: a chunk of a stream."""
-        self._socket().send_multipart([self._identity, frame], copy=False)
 
 
 class _Lane:
@@ -140,32 +142,33 @@ def _peer_of(frame: zmq.Frame) -> str:
 
 
 class Server:
-    def __init__(self, ip: str, *, encrypt: bool = False) -> None:
-        ctx: zmq.Context = zmq.Context.instance()
+    """The agent's ROUTER. ``tls``: the pin its stream port's TLS goes by (``_tls``),
+    carried in its address; None when the stream port is in clear."""
+
+    def __init__(self, ip: str, *, tls: str | None = None) -> None:
+        ctx = self._ctx = zmq.Context()  # its own: the ZAP handler answers for it only
+        self.admission = Admission(tuple(_LANE_THREADS))
+        self._zap = ZapHandler(ctx, self.admission)
         self._router = ctx.socket(zmq.ROUTER)
+        public, secret = zmq.curve_keypair()  # fresh per process
         for opt, value in (
             (zmq.SNDHWM, 0),
             # Per connection: a peer that sends faster than the agent reads is held
             # back by TCP, instead of queueing in the agent's memory.
             (zmq.RCVHWM, _RCVHWM),
             (zmq.ROUTER_MANDATORY, 1),
-            # A consumer that reconnects keeps its routing id: replies follow it.
-            (zmq.ROUTER_HANDOVER, 1),
             (zmq.LINGER, 0),
             (zmq.MAXMSGSIZE, MAX_REQUEST_BYTES),
-            # A connection that has not finished ZeroMQ's greeting by then is closed.
-            (zmq.HANDSHAKE_IVL, 5000),
+            # A connection that has not finished its CURVE handshake by then is closed.
+            (zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000)),
+            (zmq.CURVE_SERVER, 1),
+            (zmq.CURVE_SECRETKEY, secret),
+            (zmq.ZAP_DOMAIN, b"raydirect"),
         ):
             self._router.setsockopt(opt, value)
-        public = None
-        if encrypt:  # CURVE: every connection to this agent is encrypted (and its key fresh)
-            public, secret = zmq.curve_keypair()
-            self._router.setsockopt(zmq.CURVE_SERVER, 1)
-            self._router.setsockopt(zmq.CURVE_SECRETKEY, secret)
+        self.connections = ConnectionCap(self._router)
         port = self._router.bind_to_random_port(f"tcp://{ip}")
-        endpoint = f"tcp://{ip}:{port}"
-        self.encrypted = encrypt
-        self.address = endpoint if public is None else _wire.encrypted_address(endpoint, public)
+        self.address = _wire.agent_address(f"tcp://{ip}:{port}", public, tls)
         self._outbox_address = f"inproc://raydirect-outbox-{id(self)}"
         self._outbox = ctx.socket(zmq.PULL)
         self._outbox.setsockopt(zmq.RCVHWM, 0)
@@ -174,18 +177,17 @@ class Server:
         self._lanes = {
             lane: _Lane(lane, n, self._open_worker_socket) for lane, n in _LANE_THREADS.items()
         }
-        self.admission = Admission(tuple(_LANE_THREADS))
-        self._refusals = TokenBucket(REFUSALS_PER_S)
         self._thread = threading.Thread(target=self._loop, name="raydirect-agent", daemon=True)
         self._thread.start()
 
     def _open_worker_socket(self) -> None:
-        open_reply_socket(self._outbox_address, self._worker_local)
+        open_reply_socket(self._ctx, self._outbox_address, self._worker_local)
 
     def _loop(self) -> None:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._outbox, zmq.POLLIN)
+        poller.register(self.connections.events, zmq.POLLIN)
         while True:
             # Nothing a peer sends, nor a bug below, may end the agent: log, keep serving.
             try:
@@ -194,6 +196,8 @@ class Server:
                     self._forward_replies()
                 if self._router in events:
                     self._dispatch_requests()
+                if self.connections.events in events:
+                    self.connections.handle()
             except Exception:
                 log.exception("raydirect agent: unexpected error; still serving")
 
@@ -220,10 +224,6 @@ class Server:
                 continue
             identity, frame = parts[0].bytes, parts[1]
             data = frame.bytes
-            fragment = _wire.auth_fragment()
-            if fragment is not None and fragment not in data:
-                self._refuse_unauthenticated(identity, data, frame)
-                continue
             op = _peek_op(data)
             handler = _handlers.get(op)
             lane = handler.lane if handler is not None else CONTROL
@@ -246,43 +246,11 @@ class Server:
         with contextlib.suppress(zmq.ZMQError):  # the peer is gone
             self._router.send_multipart([identity, _wire.encode_header(header)])
 
-    def _refuse_unauthenticated(self, identity: bytes, data: bytes, frame: zmq.Frame) -> None:
-        """Junk, or a process without the cluster's token: dropped undecoded; a few per
-        second are decoded and, if they want a reply, told why."""
-        self.admission.note("unauthenticated")
-        _log.warning(
-            "unauthenticated",
-            "raydirect agent: requests without the Ray cluster's token dropped (from %s)",
-            _peer_of(frame),
-        )
-        if not self._refusals.take():
-            return
-        try:
-            request = json.loads(data)
-        except (ValueError, RecursionError) as exc:
-            self._send(
-                identity,
-                _wire.refusal(_wire.BAD_REQUEST, f"malformed request: {type(exc).__name__}"),
-            )
-            return
-        if _wire.wants_reply(request):
-            self._send(
-                identity,
-                _wire.refusal(
-                    _wire.UNAUTHENTICATED,
-                    "request refused: it does not carry this Ray cluster's auth token "
-                    "(RAY_AUTH_MODE=token)",
-                ),
-            )
-
     def _handle(self, identity: bytes, frame: zmq.Frame) -> None:
-        reply = Reply(self._outbox_address, identity, self._worker_local)
+        reply = Reply(self._ctx, self._outbox_address, identity, self._worker_local)
         request: Any = None
         try:
             request = json.loads(frame.bytes)
-            if not _wire.authenticated(request):
-                self._refuse_unauthenticated_late(request, frame, reply)
-                return
             handler = _handlers.get(request["op"])
             if handler is None:
                 reply.send(_wire.refusal(_wire.BAD_REQUEST, f"unknown op {request['op']!r}"))
@@ -317,23 +285,6 @@ class Server:
             log.exception("raydirect agent: %r failed", str(request.get("op"))[:32])
             if _wire.wants_reply(request):
                 reply.send(_wire.refusal(_wire.TRANSFER, f"{type(exc).__name__}: {exc}"))
-
-    @staticmethod
-    def _refuse_unauthenticated_late(request: Any, frame: zmq.Frame, reply: Reply) -> None:
-        """A request whose bytes held the proof, yet not as its ``auth`` field."""
-        _log.warning(
-            "unauthenticated",
-            "raydirect agent: request from %s without the Ray cluster's token refused",
-            _peer_of(frame),
-        )
-        if _wire.wants_reply(request):
-            reply.send(
-                _wire.refusal(
-                    _wire.UNAUTHENTICATED,
-                    "request refused: it does not carry this Ray cluster's auth token "
-                    "(RAY_AUTH_MODE=token)",
-                )
-            )
 
     @staticmethod
     def _object_for(request: dict[str, Any], frame: zmq.Frame, reply: Reply) -> StoredObject | None:

@@ -74,21 +74,25 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
 def format_table(rows: list[dict[str, Any]]) -> str:
     """Per process: what it holds; under it, one line per transport with objects /
     bytes held, sent and received. Then the same per transport for the cluster."""
-    head = f"{'process':<40} {'node':<15} {'pid':>7} {'objects':>8} {'bytes':>11}"
+    head = (
+        f"{'process':<40} {'node':<15} {'pid':>7} {'objects':>8} {'bytes':>11} {'encryption':>10}"
+    )
     sub = f"    {'transport':<12} {'held':>20} {'sent':>20} {'received':>20}"
     lines = [head, sub]
     for row in rows:
         name = row.get("label") or "?"
         if row.get("actor_id"):
             name = f"{name} [{row['actor_id'][:8]}]"
-        node = str(row.get("address", "")).removeprefix("tcp://").rsplit(":", 1)[0]
+        node = str(row.get("address", "")).removeprefix("tcp://").partition("/")[0]
+        node = node.rsplit(":", 1)[0]
         stats = row["stats"]
         if stats is None:
             lines.append(f"{name[:40]:<40} {node:<15} {row['pid']:>7}  unreachable (withdrawn)")
             continue
+        encryption = stats.get("encryption") or row.get("encryption") or "none"
         lines.append(
             f"{name[:40]:<40} {node:<15} {row['pid']:>7} {stats['num_objects']:>8} "
-            f"{_human(stats['num_bytes']):>11}"
+            f"{_human(stats['num_bytes']):>11} {encryption:>10}"
         )
         for transport in _transports(stats):
             cells = [_cell(stats, o, b, transport) for _, o, b in _COUNTS]

@@ -52,6 +52,9 @@ class LocalStats:
     (``auto`` unless the method or ``put`` named one)."""
     bytes_held: dict[str, int] = field(default_factory=dict)
     """Tensor bytes held (``num_bytes``), by the transport they were exported with."""
+    encryption: str = "none"
+    """How this process's agent encrypts the bytes it serves over ``tcp``: ``none``,
+    ``tls`` (TLS 1.3, user space) or ``ktls`` (kernel TLS); ``none`` until it starts."""
 
 
 @dataclass(slots=True)
@@ -96,6 +99,7 @@ class StoredObject:
 
 class Store:
     def __init__(self) -> None:
+        self.encryption = "none"  # set by the agent runtime when the agent starts
         self._objects: dict[bytes, StoredObject] = {}
         self._lock = threading.Condition()
         # storage key -> objects holding tensors in that memory (``storage_keys``)
@@ -274,6 +278,7 @@ class Store:
                 bytes_received=dict(self._received_bytes),
                 objects_held={k: v for k, v in self._held.items() if v},
                 bytes_held={k: v for k, v in self._held_bytes.items() if self._held[k]},
+                encryption=self.encryption,
             )
 
 

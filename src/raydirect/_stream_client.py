@@ -1,48 +1,68 @@
 """The consumer's side of bulk streams (see ``_stream_server`` for the protocol).
 
-A transfer is cut into one window per stream; each window is received by
-``recv_into`` straight into the destination's memory, so the kernel's copy is
-the only one. The calling thread receives the first window and watches the
-producer (through its control channel, which only that thread may touch); the
-others run on a shared pool. The first failure closes every socket of the
-transfer, so no thread outlives it. Idle connections are pooled per producer.
+A transfer is cut into one window per stream; each window is received straight
+into the destination's memory (``recv_into`` in clear, or decrypted into it from
+AES-GCM frames, ``_frames``), so the kernel's copy (and, encrypted, the
+decryption) is the only pass over the bytes. The calling thread receives the
+first window and watches the producer (through its control channel, which only
+that thread may touch); the others run on a shared pool. The first failure
+closes every socket of the transfer, so no thread outlives it. Idle connections
+are pooled per producer stream port (and its TLS pin).
 
-How many streams (``streams_for``): ``RAYDIRECT_TCP_STREAMS`` when set (0 turns
-bulk streams off: every byte then travels over the control channel's ZeroMQ
-socket, one port per agent); otherwise one per ``BYTES_PER_STREAM`` of the
-transfer, at most one per core and ``MAX_AUTO_STREAMS``. One stream's receive
-costs a core (the kernel's copy into user memory), which is why more streams
-than cores gain nothing; on a NIC that one TCP stream cannot fill (100-400
-Gbit), set it to the cores you can spare.
+A stream port that is full answers ``BUSY``: the consumer tries again, backing
+off, until its deadline (``BUSY_RETRY_S`` without one), then raises
+``TransferError`` naming the producer.
+
+How many streams (``streams_for``): ``RAYDIRECT_TCP_STREAMS`` when set (1-64);
+otherwise one per ``BYTES_PER_STREAM`` of the transfer, at most one per core and
+``MAX_AUTO_STREAMS``. One stream's receive costs a core (the kernel's copy into
+user memory), which is why more streams than cores gain nothing; on a NIC that
+one TCP stream cannot fill (100-400 Gbit), set it to the cores you can spare.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import random
 import select
 import socket
+import ssl
 import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
+from dataclasses import dataclass
 
-from raydirect._stream_server import HEADER, MAGIC, OK, window
+from raydirect._frames import Link, secure_client
+from raydirect._stream_server import (
+    BUSY_GREETING,
+    CHALLENGE_BYTES,
+    MAGIC,
+    OK,
+    READY,
+    REQUEST,
+    proof,
+    window,
+)
 from raydirect.errors import TransferError
 
 BYTES_PER_STREAM = 32 << 20
 MAX_AUTO_STREAMS = 4
 _MAX_STREAMS = 64
 _POLL_S = 0.2
-_RECV_BYTES = 16 << 20  # per recv_into call: bounded time between checks
 _CONNECT_TIMEOUT_S = 5.0
 _IDLE_PER_PRODUCER = 8
 _IDLE_TOTAL = 32
+BUSY_RETRY_S = 60.0  # how long a consumer without a deadline retries a busy stream port
+_BACKOFF_S = (0.02, 1.0)  # first and longest pause between tries, jittered
+_OPEN_ATTEMPTS = 4  # connections closed before answering a window's request, at most
 ENV_STREAMS = "RAYDIRECT_TCP_STREAMS"
 
-# What this process received over streams: transfers, windows, connections opened.
+# What this process received over streams: transfers, windows, connections opened,
+# busy answers.
 counters: Counter[str] = Counter()
 _counters_lock = threading.Lock()
 
@@ -61,16 +81,12 @@ def configured_streams() -> int | None:
         value = int(raw)
     except ValueError:
         value = -1
-    if not 0 <= value <= _MAX_STREAMS:
+    if not 1 <= value <= _MAX_STREAMS:
         raise ValueError(
-            f"{ENV_STREAMS}={raw!r}: expected a whole number from 0 (bulk streams off) "
+            f"{ENV_STREAMS}={raw!r}: expected a whole number of streams from 1 "
             f"to {_MAX_STREAMS}, or unset it to choose by size"
         )
     return value
-
-
-def enabled() -> bool:
-    return configured_streams() != 0
 
 
 def streams_for(nbytes: int) -> int:
@@ -81,32 +97,43 @@ def streams_for(nbytes: int) -> int:
     return max(1, min(nbytes // BYTES_PER_STREAM, cores, MAX_AUTO_STREAMS))
 
 
+@dataclass(frozen=True)
+class Peer:
+    """A producer's stream port as the consumer reaches it."""
+
+    address: tuple[str, int]
+    pin: str | None  # None: in clear; else TLS, pinned (``_tls``)
+    who: str  # the producer, for messages
+
+
 class _Pool:
-    """Idle connections per producer stream address, any thread; at most
+    """Idle connections per producer stream port, any thread; at most
     ``_IDLE_TOTAL`` in all (oldest closed first), and those whose producer hung up
     (it restarted, or closed them as idle) are closed when the pool is next used."""
 
     def __init__(self) -> None:
-        self._idle: OrderedDict[socket.socket, tuple[str, int]] = OrderedDict()
+        self._idle: OrderedDict[Link, tuple[tuple[str, int], str | None]] = OrderedDict()
         self._lock = threading.Lock()
 
-    def take(self, address: tuple[str, int]) -> socket.socket | None:
+    def take(self, peer: Peer) -> Link | None:
+        key = (peer.address, peer.pin)
         with self._lock:
-            for conn, where in reversed(self._idle.items()):
-                if where == address:
-                    del self._idle[conn]
-                    return conn
+            for link, where in reversed(self._idle.items()):
+                if where == key:
+                    del self._idle[link]
+                    return link
         return None
 
-    def give(self, address: tuple[str, int], conn: socket.socket) -> None:
+    def give(self, peer: Peer, link: Link) -> None:
+        key = (peer.address, peer.pin)
         with self._lock:
             closed = _hung_up(list(self._idle))
             for old in closed:
                 del self._idle[old]
-            self._idle[conn] = address
-            if sum(1 for a in self._idle.values() if a == address) > _IDLE_PER_PRODUCER:
-                closed.append(conn)
-                del self._idle[conn]
+            self._idle[link] = key
+            if sum(1 for a in self._idle.values() if a == key) > _IDLE_PER_PRODUCER:
+                closed.append(link)
+                del self._idle[link]
             while len(self._idle) > _IDLE_TOTAL:
                 closed.append(self._idle.popitem(last=False)[0])
         for old in closed:
@@ -116,24 +143,25 @@ class _Pool:
         with self._lock:
             idle = list(self._idle)
             self._idle.clear()
-        for conn in idle:
-            conn.close()
+        for link in idle:
+            link.close()
         return len(idle)
 
 
-def _hung_up(conns: list[socket.socket]) -> list[socket.socket]:
-    """Those of ``conns`` whose peer closed them (readable, with nothing to read)."""
-    if not conns:
+def _hung_up(links: list[Link]) -> list[Link]:
+    """Those of ``links`` whose peer closed them. An idle connection holds the
+    server's next challenge unread, so "readable" says nothing: POLLRDHUP does."""
+    if not links:
         return []
-    readable, _, _ = select.select(conns, [], [], 0)
-    gone = []
-    for conn in readable:
-        try:
-            if not conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
-                gone.append(conn)
-        except OSError:
-            gone.append(conn)
-    return gone
+    poller = select.poll()
+    by_fd = {}
+    for link in links:
+        fd = link.sock.fileno()
+        if fd < 0:
+            continue
+        by_fd[fd] = link
+        poller.register(fd, select.POLLRDHUP)
+    return [by_fd[fd] for fd, _ in poller.poll(0)]
 
 
 _pool = _Pool()
@@ -157,10 +185,14 @@ def _executor() -> ThreadPoolExecutor:
         return _workers
 
 
-class _Transfer:
-    """One transfer's windows, sockets and first failure, shared by its threads.
+class _Busy(Exception):
+    """The stream port is full: try again."""
 
-    Sockets in use are in ``_sockets`` until returned to the pool; ``close`` shuts
+
+class _Transfer:
+    """One transfer's windows, links and first failure, shared by its threads.
+
+    Links in use are in ``_links`` until returned to the pool; ``close`` shuts
     what is left, so no path leaks one. Window threads never raise: they record
     the first failure, which the calling thread raises without keeping it in a
     frame (an exception held by a local of a frame in its own traceback is a
@@ -169,18 +201,20 @@ class _Transfer:
 
     def __init__(
         self,
-        address: tuple[str, int],
+        peer: Peer,
         ticket: bytes,
+        secret: bytes,
         deadline: float | None,
         watch: Callable[[], None],
     ) -> None:
-        self.address = address
+        self.peer = peer
         self.ticket = ticket
+        self.secret = secret
         self.deadline = deadline
         self._watch = watch
         self._owner = threading.get_ident()
         self._failure: BaseException | None = None
-        self._sockets: set[socket.socket] = set()
+        self._links: set[Link] = set()
         self._lock = threading.Lock()
         self._closed = False
 
@@ -190,16 +224,16 @@ class _Transfer:
             if self._failure is None:
                 self._failure = exc
             self._closed = True
-            for conn in self._sockets:
+            for link in self._links:
                 with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
+                    link.sock.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            left, self._sockets = self._sockets, set()
-        for conn in left:
-            conn.close()
+            left, self._links = self._links, set()
+        for link in left:
+            link.close()
 
     def raise_failure(self) -> None:
         with self._lock:
@@ -210,61 +244,18 @@ class _Transfer:
             finally:
                 exc = None
 
-    def _track(self, conn: socket.socket) -> None:
+    def _track(self, link: Link) -> None:
         with self._lock:
             if not self._closed:
-                self._sockets.add(conn)
+                self._links.add(link)
                 return
-        conn.close()
+        link.close()
         raise TransferError("another stream of this transfer failed")
 
-    def _connect(self) -> tuple[socket.socket, bool]:
-        """A connection (pooled or new) and whether it came from the pool."""
-        conn = _pool.take(self.address)
-        pooled = conn is not None
-        if conn is None:
-            conn = socket.create_connection(self.address, timeout=_CONNECT_TIMEOUT_S)
-            _count("connections")
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._track(conn)
-        return conn, pooled
-
-    def _open_window(self, offset: int, length: int) -> socket.socket:
-        """A connection that accepted the window's request and is about to send it."""
-        for _attempt in range(2):  # a pooled connection may have been closed as idle
-            conn, pooled = self._connect()
-            try:
-                conn.settimeout(_POLL_S)
-                conn.sendall(HEADER.pack(MAGIC, self.ticket, offset, length))
-                status = self._recv_status(conn)
-            except (ConnectionError, EOFError):
-                if pooled:
-                    self._drop(conn)
-                    continue
-                raise
-            if status != OK:
-                raise TransferError(
-                    "the producer's stream server refused the transfer (status "
-                    f"{status}): its ticket expired or was already used; read it again"
-                )
-            return conn
-        raise ConnectionError("no connection to the producer's stream port")
-
-    def _recv_status(self, conn: socket.socket) -> int:
-        while True:
-            try:
-                data = conn.recv(1)
-            except TimeoutError:
-                self._check()
-                continue
-            if not data:
-                raise EOFError("the stream closed before its status")
-            return data[0]
-
-    def _drop(self, conn: socket.socket) -> None:
+    def _drop(self, link: Link) -> None:
         with self._lock:
-            self._sockets.discard(conn)
-        conn.close()
+            self._links.discard(link)
+        link.close()
 
     def _check(self) -> None:
         if threading.get_ident() == self._owner:
@@ -274,34 +265,103 @@ class _Transfer:
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise TimeoutError("the stream did not finish before the deadline")
 
+    def _dial(self) -> Link:
+        """A new connection, set up (TLS where the producer encrypts); ``_Busy`` if
+        the port is full."""
+        timeout = _CONNECT_TIMEOUT_S
+        if self.deadline is not None:
+            timeout = max(0.05, min(timeout, self.deadline - time.monotonic()))
+        sock = socket.create_connection(self.peer.address, timeout=timeout)
+        link = Link(sock)
+        self._track(link)
+        _count("connections")
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        greeting = link.recv_exactly(1)
+        if greeting == BUSY_GREETING:
+            self._drop(link)
+            raise _Busy()
+        if greeting != READY:
+            raise ConnectionError(f"the stream port answered {greeting!r}, not a greeting")
+        if self.peer.pin is not None:
+            try:
+                secured = secure_client(sock, self.peer.pin)
+            except (ssl.SSLError, ValueError) as exc:
+                raise TransferError(
+                    f"TLS to the stream port of {self.peer.who} failed: {exc}"
+                ) from exc
+            with self._lock:
+                self._links.discard(link)
+            link = secured
+            self._track(link)
+        link.settimeout(_POLL_S)
+        return link
+
+    def _connect(self) -> Link:
+        """A new connection, trying again while the port answers busy, within the
+        deadline (``BUSY_RETRY_S`` without one)."""
+        give_up = time.monotonic() + BUSY_RETRY_S
+        if self.deadline is not None:
+            give_up = min(give_up, self.deadline)
+        pause = _BACKOFF_S[0]
+        while True:
+            try:
+                return self._dial()
+            except _Busy:
+                _count("busy")
+            if time.monotonic() + pause >= give_up:
+                raise TransferError(
+                    f"the stream port of {self.peer.who} stayed busy (all its connections "
+                    "are transferring) until the deadline: read it again later, or read "
+                    "from fewer consumers at once"
+                )
+            end = time.monotonic() + pause * random.uniform(0.5, 1.0)
+            while time.monotonic() < end:
+                self._check()
+                time.sleep(min(_POLL_S, max(0.0, end - time.monotonic())))
+            pause = min(pause * 2, _BACKOFF_S[1])
+
+    def _open_window(self, offset: int, length: int) -> Link:
+        """A connection that accepted the window's request and is about to send it.
+        One closed before it answered (a pooled one closed as idle, or one evicted
+        for a newcomer) is replaced: the window had not begun."""
+        for attempt in range(_OPEN_ATTEMPTS):
+            link = _pool.take(self.peer)
+            pooled = link is not None
+            if link is None:
+                link = self._connect()
+            else:
+                self._track(link)
+            try:
+                challenge = link.recv_exactly(CHALLENGE_BYTES, self._check)
+                mac = proof(self.secret, challenge, self.ticket, offset, length)
+                link.send(REQUEST.pack(MAGIC, self.ticket, offset, length, mac))
+                status = link.recv_exactly(1, self._check)[0]
+            except ConnectionError:
+                self._drop(link)
+                if pooled or attempt + 1 < _OPEN_ATTEMPTS:
+                    continue
+                raise
+            if status != OK:
+                raise TransferError(
+                    f"the stream port of {self.peer.who} refused the transfer (status "
+                    f"{status}): its ticket expired or was already used; read it again"
+                )
+            return link
+        raise ConnectionError("no connection to the producer's stream port")
+
     def receive(self, dests: list[memoryview], offset: int, length: int) -> None:
         """Receive bytes ``[offset, offset + length)`` of the transfer into ``dests``'
         concatenation at the same offsets; a failure is recorded, never raised."""
         try:
-            conn = self._open_window(offset, length)
-            for piece in window(dests, offset, length):
-                self._fill(conn, piece)
+            link = self._open_window(offset, length)
+            link.recv_pieces(window(dests, offset, length), self._check, self.deadline)
         except BaseException as exc:
             self.fail(exc)
             return
         with self._lock:
-            self._sockets.discard(conn)
+            self._links.discard(link)
         _count("windows")
-        _pool.give(self.address, conn)
-
-    def _fill(self, conn: socket.socket, piece: memoryview) -> None:
-        while len(piece):
-            try:
-                got = conn.recv_into(piece, min(len(piece), _RECV_BYTES))
-            except TimeoutError:
-                self._check()
-                continue
-            if got == 0:
-                self._check()
-                raise ConnectionError("the producer closed the stream midway")
-            piece = piece[got:]
-            if self.deadline is not None and time.monotonic() > self.deadline:
-                raise TimeoutError("the stream did not finish before the deadline")
+        _pool.give(self.peer, link)
 
     def wait(self, others: list[Future[None]]) -> None:
         """Until the other windows end, watching the producer from this thread."""
@@ -317,8 +377,9 @@ class _Transfer:
 
 
 def receive(
-    address: tuple[str, int],
+    peer: Peer,
     ticket: bytes,
+    secret: bytes,
     dests: list[memoryview],
     deadline: float | None,
     watch: Callable[[], None],
@@ -328,7 +389,7 @@ def receive(
     nbytes = sum(len(d) for d in dests)
     streams = min(streams_for(nbytes), max(1, nbytes >> 20))
     edges = [nbytes * i // streams for i in range(streams + 1)]
-    transfer = _Transfer(address, ticket, deadline, watch)
+    transfer = _Transfer(peer, ticket, secret, deadline, watch)
     _count("transfers")
     others = [
         _executor().submit(transfer.receive, dests, edges[i], edges[i + 1] - edges[i])

@@ -1,64 +1,96 @@
-"""The producer's side of bulk streams: plain TCP connections for large ``tcp`` reads.
+"""The producer's side of bulk streams: the one path for ``tcp`` bytes above the
+inline size.
 
 Why not ZeroMQ for the bytes: over a veth pair that iperf3 fills at 2.9 GB/s in
 one stream, ZeroMQ frames moved 1.1-1.8 GB/s. libzmq's I/O thread reads each
 message into a buffer of its own and the consumer copies it again; one I/O
 thread per context caps every transfer at one core. On a plain socket the kernel
-copies straight into the consumer's receive buffer, as iperf3 does (3.1 GB/s
-here), and a transfer split over two sockets uses two cores (4.4 GB/s).
+copies straight into the consumer's receive buffer, as iperf3 does, and a
+transfer split over two sockets uses two cores.
 
-The control channel stays the agent's ROUTER: it authenticates the request and
-checks the object's capability, then answers a large ``tcp`` read with a
-*ticket*, 16 random bytes that name the prepared bytes of this one transfer.
-The consumer opens connections to the stream port (or reuses idle ones) and on
-each sends ``HEADER``: magic, ticket, offset, length; it gets one status byte
-and then those bytes of the transfer. Junk costs one fixed-size read and a
-dictionary lookup before the connection is closed; nothing is decoded.
+The control channel (the agent's ROUTER, CURVE-authenticated) checks the
+object's capability and answers a large ``tcp`` read with a *ticket*: an id and
+a secret, both 16 random bytes, naming the prepared bytes of this one transfer.
+The secret travels only inside the encrypted control channel, to the consumer
+that asked. A connection to the stream port then goes:
+
+1. server: one byte in clear, ``READY``, or ``BUSY`` and close (full: see below);
+2. when the agent encrypts: a TLS 1.3 handshake and the record layer (``_frames``);
+3. per window: the server sends a fresh 16-byte challenge; the consumer answers
+   with ``REQUEST``: magic, ticket id, offset, length and an HMAC-SHA256 of the
+   challenge and those fields keyed by the ticket's secret; the server answers
+   one status byte and, if ``OK``, the window's bytes.
+
+So a ticket is honoured only on a connection whose consumer holds its secret,
+and a sniffed request is worth nothing on another connection (its challenge
+differs). Before authentication the server reads one fixed-size request (and
+the TLS handshake, bounded by OpenSSL), looks up one dictionary key and computes
+one HMAC: nothing is decoded.
 
 A ticket ends when all its bytes were sent, when sending a window fails (the
 consumer gave up), ``UNCLAIMED_TTL_S`` after it was issued if no connection has
-named it (a consumer that gave up or died between the ticket and its first
-window), or after ``TICKET_TTL_S`` in any case.
-Connections are bounded (``MAX_CONNECTIONS``); one that never named a live
-ticket is closed after ``FIRST_REQUEST_TIMEOUT_S``, an idle one after
-``IDLE_TIMEOUT_S``.
+named it, or after ``TICKET_TTL_S`` in any case.
+
+Connections are bounded (``MAX_CONNECTIONS``). When full, a newcomer takes the
+place of the oldest connection still unserved ``UNPROVEN_S`` after it connected
+(its handshake or first request pending: junk, or a consumer gone quiet), else
+of the oldest idle served one (consumers pool connections); only when every
+connection is young or mid-transfer is the newcomer told ``BUSY``, which the
+consumer retries within its deadline. A connection is
+closed if it is not served within ``FIRST_REQUEST_TIMEOUT_S`` of its accept, or
+idle for ``IDLE_TIMEOUT_S``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 import os
 import secrets
 import socket
+import ssl
 import struct
 import threading
 import time
-from collections import OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
+
+from raydirect._frames import Link, secure_server
+from raydirect._tls import NONE, ServerSecurity
 
 log = logging.getLogger("raydirect")
 
-MAGIC = b"RDS1"
-HEADER = struct.Struct("<4s16sQQ")  # magic, ticket, offset, length
-OK, UNKNOWN_TICKET, BAD_WINDOW = 0, 1, 2
+MAGIC = b"RDS2"
+REQUEST = struct.Struct("<4s16sQQ32s")  # magic, ticket id, offset, length, proof
+CHALLENGE_BYTES = 16
+READY, BUSY_GREETING = b"\x00", b"\x04"
+OK, UNKNOWN_TICKET, BAD_WINDOW, BAD_PROOF, BUSY = 0, 1, 2, 3, 4
+_REFUSED = {UNKNOWN_TICKET: "unknown ticket", BAD_WINDOW: "bad window", BAD_PROOF: "bad proof"}
 # Consumers open every window of a transfer as soon as they get its ticket, so a
 # ticket no connection names for this long has no consumer left.
 UNCLAIMED_TTL_S = 10.0
 TICKET_TTL_S = 60.0
-_SWEEP_S = 5.0  # how often expired tickets (and the memory they keep) are dropped
-# A new connection must name a live ticket this soon; one that has been served
-# may then wait for its consumer's next transfer (consumers pool connections).
-FIRST_REQUEST_TIMEOUT_S = 5.0
+_SWEEP_S = 1.0  # how often expired tickets and overdue handshakes are dropped
+FIRST_REQUEST_TIMEOUT_S = 5.0  # from accept to the first request served
+UNPROVEN_S = 1.0  # an unserved connection this old may be evicted for a newcomer
 IDLE_TIMEOUT_S = 60.0
 MAX_CONNECTIONS = 256
 _SEND_TIMEOUT_S = 60.0  # a consumer that stops reading for this long is dropped
+
+
+def proof(secret: bytes, challenge: bytes, ticket: bytes, offset: int, length: int) -> bytes:
+    """What a consumer sends for one window: HMAC-SHA256 keyed by the ticket's secret."""
+    message = challenge + ticket + struct.pack("<QQ", offset, length)
+    return hmac.new(secret, message, hashlib.sha256).digest()
 
 
 @dataclass
 class Ticket:
     views: list[memoryview]
     nbytes: int
+    secret: bytes
     expires: float
     claimed_until: float  # the expiry while no connection has named it
     sent: int = 0
@@ -69,38 +101,63 @@ def _expired(ticket: Ticket, now: float) -> bool:
     return ticket.expires < now or ticket.claimed_until < now
 
 
+NEW, IDLE, SERVING, EVICTED = "new", "idle", "serving", "evicted"
+
+
+@dataclass
+class _Conn:
+    sock: socket.socket  # as accepted (TLS takes its fd over: ``fd`` stays valid)
+    fd: int
+    state: str = NEW
+    since: float = field(default_factory=time.monotonic)
+
+
+def _shutdown(conn: _Conn) -> None:
+    """Make the connection's thread see the end of it (the thread closes it). Call
+    under the server's lock while ``conn`` is listed: its fd is then still its own
+    (the thread unlists it before closing it), never a number reused elsewhere."""
+    sock = socket.socket(fileno=conn.fd)
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    finally:
+        sock.detach()
+
+
 class StreamServer:
     """A listening socket on the node's address, one thread per open connection."""
 
-    def __init__(self, ip: str) -> None:
+    def __init__(self, ip: str, security: ServerSecurity | None = None) -> None:
         self._listener = socket.create_server((ip, 0), backlog=128)
         self.port: int = self._listener.getsockname()[1]
+        self.security = security
+        self.encryption = NONE if security is None else security.mode
         self._tickets: dict[bytes, Ticket] = {}
         self._lock = threading.Lock()
-        self._open = 0
-        # Connections that have not yet named a live ticket, oldest first: when all
-        # MAX_CONNECTIONS are taken, the oldest of these makes room for a new one,
-        # so idle junk connections cannot lock real consumers out.
-        self._unnamed: OrderedDict[socket.socket, None] = OrderedDict()
+        self._conns: dict[int, _Conn] = {}  # by id(), oldest first
+        self.refused: Counter[str] = Counter()  # why connections or requests were refused
         threading.Thread(target=self._accept_loop, name="raydirect-streams", daemon=True).start()
 
     # -- tickets
     def close_listener(self) -> None:
         self._listener.close()
 
-    def issue(self, views: list[memoryview]) -> tuple[bytes, int]:
-        """A ticket for the concatenation of ``views`` (kept alive until sent)."""
-        ticket = secrets.token_bytes(16)
+    def issue(self, views: list[memoryview]) -> tuple[bytes, bytes, int]:
+        """A ticket for the concatenation of ``views`` (kept alive until sent): its
+        id, its secret and its size."""
+        ticket, secret = secrets.token_bytes(16), secrets.token_bytes(16)
         nbytes = sum(len(v) for v in views)
-        self._sweep()
+        self._sweep_tickets()
         now = time.monotonic()
         with self._lock:
             self._tickets[ticket] = Ticket(
-                views, nbytes, now + TICKET_TTL_S, claimed_until=now + UNCLAIMED_TTL_S
+                views, nbytes, secret, now + TICKET_TTL_S, claimed_until=now + UNCLAIMED_TTL_S
             )
-        return ticket, nbytes
+            self.issued += 1
+        return ticket, secret, nbytes
 
-    def _sweep(self) -> None:
+    def _sweep_tickets(self) -> None:
         now = time.monotonic()
         with self._lock:
             for key in [k for k, t in self._tickets.items() if _expired(t, now)]:
@@ -110,20 +167,34 @@ class StreamServer:
         with self._lock:
             self._tickets.pop(key, None)
 
+    issued = 0  # tickets issued so far
+
     def pending(self) -> int:
         """Tickets not yet fully sent (tests check that transfers leave none)."""
         with self._lock:
             return len(self._tickets)
 
-    def _claim(self, ticket: bytes) -> Ticket | None:
+    def connections(self) -> Counter[str]:
+        """Open connections by state (new, idle, serving)."""
         with self._lock:
-            found = self._tickets.get(ticket)
+            return Counter(c.state for c in self._conns.values())
+
+    def _claim(self, key: bytes, challenge: bytes, request: tuple) -> tuple[Ticket | None, int]:
+        """The ticket a request names, if its proof holds: (ticket, status)."""
+        magic, _, offset, length, mac = request
+        with self._lock:
+            found = self._tickets.get(key) if magic == MAGIC else None
             if found is not None and _expired(found, time.monotonic()):
-                del self._tickets[ticket]
-                return None
-            if found is not None:
-                found.claimed_until = found.expires  # named: the whole TTL from now on
-            return found
+                del self._tickets[key]
+                found = None
+        if found is None:
+            return None, UNKNOWN_TICKET
+        if not hmac.compare_digest(mac, proof(found.secret, challenge, key, offset, length)):
+            return None, BAD_PROOF
+        if offset + length > found.nbytes:
+            return None, BAD_WINDOW
+        found.claimed_until = found.expires  # named: the whole TTL from now on
+        return found, OK
 
     def _sent(self, key: bytes, ticket: Ticket, nbytes: int) -> None:
         with ticket.lock:
@@ -138,7 +209,7 @@ class StreamServer:
         self._listener.settimeout(_SWEEP_S)
         while True:
             try:
-                conn, _ = self._listener.accept()
+                sock, _ = self._listener.accept()
             except TimeoutError:
                 self._sweep()
                 continue
@@ -146,68 +217,119 @@ class StreamServer:
                 log.exception("raydirect streams: accept failed; still serving")
                 time.sleep(0.1)  # e.g. out of fds: do not spin
                 continue
-            with self._lock:
-                victim = None
-                if self._open >= MAX_CONNECTIONS and self._unnamed:
-                    victim, _ = self._unnamed.popitem(last=False)
-                full = self._open >= MAX_CONNECTIONS and victim is None
-                if not full:
-                    self._open += 1
-                    self._unnamed[conn] = None
-            if victim is not None:
-                with contextlib.suppress(OSError):  # its thread ends and frees its slot
-                    victim.shutdown(socket.SHUT_RDWR)
-            if full:
-                conn.close()
-                continue
-            threading.Thread(
-                target=self._serve_connection, args=(conn,), name="raydirect-stream", daemon=True
-            ).start()
+            try:
+                self._admit(sock)
+            except Exception:
+                log.exception("raydirect streams: a connection could not be admitted")
+                sock.close()
 
-    def _serve_connection(self, conn: socket.socket) -> None:
+    def _admit(self, sock: socket.socket) -> None:
+        conn = _Conn(sock, sock.fileno())
+        with self._lock:
+            victim = None
+            if len(self._conns) >= MAX_CONNECTIONS:
+                victim = self._victim()
+            full = len(self._conns) >= MAX_CONNECTIONS and victim is None
+            if victim is not None:  # its slot goes to the newcomer now
+                _shutdown(victim)
+                self.refused[f"evicted {victim.state}"] += 1
+                victim.state = EVICTED
+                del self._conns[id(victim)]
+            if not full:
+                self._conns[id(conn)] = conn
+        if full:
+            self.refused["busy"] += 1
+            with contextlib.suppress(OSError):
+                sock.sendall(BUSY_GREETING)
+            sock.close()
+            return
+        threading.Thread(
+            target=self._serve_connection, args=(conn,), name="raydirect-stream", daemon=True
+        ).start()
+
+    def _victim(self) -> _Conn | None:
+        """The connection a newcomer replaces (under ``_lock``): the oldest one still
+        unserved after ``UNPROVEN_S`` (a real consumer asks within milliseconds of
+        connecting), else the oldest idle one."""
+        now = time.monotonic()
+        for conn in self._conns.values():
+            if conn.state == NEW and now - conn.since > UNPROVEN_S:
+                return conn
+        for conn in self._conns.values():
+            if conn.state == IDLE:
+                return conn
+        return None
+
+    def _sweep(self) -> None:
+        self._sweep_tickets()
+        now = time.monotonic()
+        with self._lock:
+            for conn in self._conns.values():  # a handshake or first request never done
+                if conn.state == NEW and now - conn.since > FIRST_REQUEST_TIMEOUT_S:
+                    self.refused["handshake timeout"] += 1
+                    conn.since = now  # counted once; its thread ends it now
+                    _shutdown(conn)
+
+    def _set_state(self, conn: _Conn, state: str) -> bool:
+        """False if the connection was evicted meanwhile (it must end)."""
+        with self._lock:
+            if conn.state == EVICTED:
+                return False
+            conn.state, conn.since = state, time.monotonic()
+            return True
+
+    def _serve_connection(self, conn: _Conn) -> None:
+        link: Link | None = None
         try:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock = conn.sock
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(FIRST_REQUEST_TIMEOUT_S)
+            sock.sendall(READY)
+            link = Link(sock)
+            if self.security is not None:
+                link, _ = secure_server(sock, self.security)
             wait = FIRST_REQUEST_TIMEOUT_S
-            while self._serve_window(conn, wait):
+            while self._serve_window(conn, link, wait):
                 wait = IDLE_TIMEOUT_S
-        except OSError:
-            pass  # the consumer went away or sent a short header: nothing to answer
+        except ssl.SSLError as exc:
+            self.refused["tls"] += 1
+            log.debug("raydirect streams: a TLS handshake failed: %s", exc)
+        except (OSError, ValueError):
+            pass  # the consumer went away, or sent what is not a request
         except Exception:
             log.exception("raydirect streams: unexpected error on a connection")
         finally:
             with self._lock:
-                self._open -= 1
-                self._unnamed.pop(conn, None)
-            conn.close()
+                self._conns.pop(id(conn), None)
+            if link is not None:
+                link.close()
+            conn.sock.close()
 
-    def _serve_window(self, conn: socket.socket, wait: float) -> bool:
-        """Serve one request on ``conn`` (arriving within ``wait`` seconds); False
+    def _serve_window(self, conn: _Conn, link: Link, wait: float) -> bool:
+        """Serve one request on ``link`` (arriving within ``wait`` seconds); False
         when the connection should close."""
-        conn.settimeout(wait)
-        header = _recv_exactly(conn, HEADER.size)
-        if header is None:
-            return False
-        magic, key, offset, length = HEADER.unpack(header)
-        ticket = self._claim(key) if magic == MAGIC else None
-        with self._lock:
-            self._unnamed.pop(conn, None)  # it spoke: served now, or closed below
+        challenge = secrets.token_bytes(CHALLENGE_BYTES)
+        link.settimeout(wait)
+        link.send(challenge)
+        request = REQUEST.unpack(link.recv_exactly(REQUEST.size))
+        key, offset, length = request[1], request[2], request[3]
+        ticket, status = self._claim(key, challenge, request)
         if ticket is None:
+            self.refused[_REFUSED[status]] += 1
             with contextlib.suppress(OSError):
-                conn.sendall(bytes([UNKNOWN_TICKET]))
+                link.send(bytes([status]))
             return False
-        if offset + length > ticket.nbytes:
-            conn.sendall(bytes([BAD_WINDOW]))
-            return False
-        conn.settimeout(_SEND_TIMEOUT_S)
+        if not self._set_state(conn, SERVING):
+            return False  # evicted while idle, just as this request came: the consumer retries
+        link.settimeout(_SEND_TIMEOUT_S)
         try:
-            conn.sendall(bytes([OK]))
-            for piece in window(ticket.views, offset, length):
-                conn.sendall(piece)
+            link.send(bytes([OK]))
+            link.send_pieces(window(ticket.views, offset, length))
         except OSError:
             self._drop(key)  # the consumer gave up on this transfer: free its bytes now
             raise
         self._sent(key, ticket, length)
-        return True
+        return self._set_state(conn, IDLE)
 
 
 def window(views: list[memoryview], offset: int, length: int) -> list[memoryview]:
@@ -227,27 +349,16 @@ def window(views: list[memoryview], offset: int, length: int) -> list[memoryview
     return pieces
 
 
-def _recv_exactly(conn: socket.socket, size: int) -> bytes | None:
-    """``size`` bytes, or None if the peer closes first (or before sending any)."""
-    data = bytearray()
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            return None
-        data += chunk
-    return bytes(data)
-
-
 _server: StreamServer | None = None
 _server_lock = threading.Lock()
 
 
-def start(ip: str) -> StreamServer:
+def start(ip: str, security: ServerSecurity | None = None) -> StreamServer:
     """This process's stream server, started on first call (by the agent runtime)."""
     global _server
     with _server_lock:
         if _server is None:
-            _server = StreamServer(ip)
+            _server = StreamServer(ip, security)
         return _server
 
 

@@ -1,12 +1,19 @@
-"""The control protocol's vocabulary: ops, message forms, the auth proof, and
-what each refusal means to the consumer.
+"""The control protocol's vocabulary: ops, message forms, agent addresses, the
+cluster's CURVE client keys, and what each refusal means to the consumer.
 
 Every message is one ZeroMQ multipart message: a JSON header, then raw frames
-(tensor bytes, or byte strings a header refers to). Nothing on the channel is
-ever pickle: an agent is reachable from the network, and a consumer must not
-run code a peer sends. Requests name an object (``obj``, hex) and carry its
-128-bit capability (``cap``) from the Payload; where Ray's token
-authentication is on they also carry ``auth``, a digest of the cluster's token.
+(small tensor bytes inline, or byte strings a header refers to). Nothing on the
+channel is ever pickle: an agent is reachable from the network, and a consumer
+must not run code a peer sends. Requests name an object (``obj``, hex) and carry
+its 128-bit capability (``cap``) from the Payload.
+
+Every agent's ROUTER is CURVE-only: the channel is encrypted, and a peer is
+authenticated by its handshake, which cannot be replayed (each connection's
+keys are fresh). Where Ray's token authentication is on, clients use the
+cluster's key pair (``client_keys``: derived from the token, so every process of
+the cluster has it and nobody else does) and the agent admits that key only
+(``_server``'s ZAP handler); where it is off, any client key, and the
+capability alone decides (as in earlier releases).
 """
 
 from __future__ import annotations
@@ -50,54 +57,72 @@ TRANSFER = "transfer"
 
 
 @functools.lru_cache(maxsize=4)
-def _proof_for(session: tuple[int, str]) -> str | None:
+def _keys_for(session: tuple[int, str]) -> tuple[bytes, bytes] | None:
     token = _ray.cluster_auth_token()
     if token is None:
         return None
-    # A digest, not the token: whoever reads our traffic cannot replay it against Ray itself.
-    return hmac.new(token, b"raydirect agent v1", hashlib.sha256).hexdigest()
+    # A digest of the token, never the token: the CURVE handshake proves the
+    # client holds it without sending it, and it cannot be turned back into the
+    # token to use against Ray's own gRPC.
+    secret = zmq.utils.z85.encode(hmac.new(token, b"raydirect curve v2", hashlib.sha256).digest())
+    return zmq.curve_public(secret), secret
 
 
-def auth_proof() -> str | None:
-    """What every request carries when Ray's token authentication is on (else None)."""
-    return _proof_for(_ray.session_key())
+def cluster_keys() -> tuple[bytes, bytes] | None:
+    """The cluster's CURVE client key pair (public, secret; Z85) when Ray's token
+    authentication is on, else None."""
+    return _keys_for(_ray.session_key())
 
 
-CURVE_MARK = "/curve/"  # an encrypted agent's address: tcp://ip:port/curve/<public key, hex>
+_ephemeral: list[tuple[bytes, bytes]] = []
 
 
-def split_address(address: str) -> tuple[str, bytes | None]:
-    """An agent address's ZeroMQ endpoint and, for an encrypted agent, its CURVE
-    public key (Z85). The key travels inside the address, so wherever an address
-    goes (the ObjectRef's payload, over Ray's own TLS-protected channels; the
-    status announcement; group membership) the key needed to reach it goes too."""
-    endpoint, mark, key_hex = address.partition(CURVE_MARK)
-    if not mark:
-        return address, None
+def client_keys() -> tuple[bytes, bytes]:
+    """The key pair this process's channels present: the cluster's, or (token
+    authentication off) one made for this process."""
+    keys = cluster_keys()
+    if keys is not None:
+        return keys
+    if not _ephemeral:
+        _ephemeral.append(zmq.curve_keypair())
+    return _ephemeral[0]
+
+
+CURVE_MARK = "/curve/"  # tcp://ip:port/curve/<the agent's CURVE public key, hex>
+TLS_MARK = "/tls/"  # then, when its stream port encrypts: /tls/ca or /tls/<sha-256 hex>
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentAddress:
+    """An agent address's parts. The address travels inside every ObjectRef's
+    payload, over Ray's own TLS-protected channels (and in the status
+    announcement and group membership), so the keys needed to reach an agent
+    travel with it and nobody can slip a consumer others."""
+
+    endpoint: str  # tcp://ip:port, the ZeroMQ endpoint
+    host: str
+    curve_key: bytes  # Z85
+    tls: str | None  # None: its stream port is in clear; else the pin (``_tls``)
+
+
+def parse_address(address: str) -> AgentAddress:
+    endpoint, mark, rest = address.partition(CURVE_MARK)
+    key_hex, tls_mark, pin = rest.partition(TLS_MARK)
     try:
-        return endpoint, zmq.utils.z85.encode(bytes.fromhex(key_hex))
+        if not mark:
+            raise ValueError("no CURVE key")
+        key = zmq.utils.z85.encode(bytes.fromhex(key_hex))
+        if len(key) != 40:
+            raise ValueError("a CURVE key is 32 bytes")
     except ValueError as exc:
         raise TransferError(f"malformed agent address {address!r}: {exc}") from exc
+    host = endpoint.rpartition("//")[2].rpartition(":")[0]
+    return AgentAddress(endpoint, host, key, pin if tls_mark else None)
 
 
-def encrypted_address(endpoint: str, public_key: bytes) -> str:
-    return f"{endpoint}{CURVE_MARK}{zmq.utils.z85.decode(public_key).hex()}"
-
-
-def auth_fragment() -> bytes | None:
-    """The bytes every authenticated request contains (``encode_header`` writes the
-    proof as ``"auth": "<digest>"``): the agent drops what lacks them unparsed."""
-    proof = auth_proof()
-    return None if proof is None else b'"auth": "' + proof.encode() + b'"'
-
-
-def authenticated(request: Any) -> bool:
-    """Does ``request`` carry this cluster's proof (or is none required)?"""
-    expected = auth_proof()
-    if expected is None:
-        return True
-    got = request.get("auth") if isinstance(request, dict) else None
-    return isinstance(got, str) and hmac.compare_digest(got.encode(), expected.encode())
+def agent_address(endpoint: str, curve_key: bytes, tls: str | None) -> str:
+    address = f"{endpoint}{CURVE_MARK}{zmq.utils.z85.decode(curve_key).hex()}"
+    return address if tls is None else f"{address}{TLS_MARK}{tls}"
 
 
 def wants_reply(request: Any) -> bool:
@@ -116,6 +141,13 @@ def wants_reply_raw(op: str, data: bytes) -> bool:
     if op in OPTIONAL_REPLY_OPS:
         return b'"reply": true' in data
     return True
+
+
+def unauthenticated_error(who: str) -> TransferError:
+    return TransferError(
+        f"the producer {who} refused this process: run it in the same Ray cluster, "
+        "with the cluster's token (RAY_AUTH_TOKEN or ~/.ray/auth_token, RAY_AUTH_MODE=token)"
+    )
 
 
 def refusal(kind: str, error: str) -> dict[str, Any]:
@@ -146,10 +178,7 @@ def raise_for_refusal(header: dict[str, Any], who: str) -> None:
     if kind == LOST:
         raise ProducerLostError.of(who, f"no longer holds the object ({message})")
     if kind == UNAUTHENTICATED:
-        raise TransferError(
-            f"the producer {who} refused this process ({message}): run it in the same "
-            "Ray cluster, with the cluster's token (RAY_AUTH_TOKEN or ~/.ray/auth_token)"
-        )
+        raise unauthenticated_error(who)
     if kind == BUSY:
         raise TransferError(
             f"the producer {who} is too busy to take this request ({message}); "

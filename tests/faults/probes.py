@@ -223,4 +223,4 @@ def agent_port(actor: Any) -> int:
             lambda self: __import__("raydirect._runtime", fromlist=["agent"]).agent().address
         )
     )
-    return int(address.rsplit(":", 1)[1])
+    return int(address.partition("/curve/")[0].rsplit(":", 1)[1])

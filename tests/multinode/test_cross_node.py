@@ -87,7 +87,7 @@ def test_status_shows_agents_bound_to_node_addresses(report):
     assert report["producer"]["pid"] in by_pid, rows
     assert report["consumer"]["pid"] in by_pid, rows
     for row in rows:
-        host = row["address"].removeprefix("tcp://").rsplit(":", 1)[0]
+        host = row["address"].removeprefix("tcp://").partition("/")[0].rsplit(":", 1)[0]
         assert host == ip_of[row["node_id"]], row
         assert row["reachable"], row
     assert by_pid[report["producer"]["pid"]]["stats"]["objects_sent"].get("gloo") == 2

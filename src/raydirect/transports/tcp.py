@@ -1,20 +1,21 @@
 """``tcp``: the producer's agent sends tensor bytes over TCP; works across nodes.
 
-The request goes over the agent's control channel (ZeroMQ, authenticated,
-capability checked). Objects of ``STREAM_MIN_BYTES`` or more are answered with
-a ticket, and their bytes move over plain TCP connections (``_stream_server``):
-from the producer's tensor memory into the consumer's receive buffer with the
-kernel's copy only, over one or more streams (``RAYDIRECT_TCP_STREAMS``).
+The request goes over the agent's control channel (ZeroMQ CURVE, authenticated,
+capability checked). Objects up to ``INLINE_MAX_BYTES`` come back inline in the
+reply. Everything larger is answered with a ticket, and its bytes move over the
+producer's stream port (``_stream_server``), the one bulk path: from the
+producer's tensor memory into the consumer's receive buffer with the kernel's
+copy only, over one or more streams (``RAYDIRECT_TCP_STREAMS``), in TLS where
+the producer encrypts (its address says so: ``_wire.AgentAddress``).
 
-Smaller objects stay on the control channel, where a connection already exists:
-up to ``INLINE_MAX_BYTES`` inline in the reply, else 16 MiB ZeroMQ frames sent
-zero-copy and received into slices of the receive buffer (libzmq copies each
-frame once more; with ``RAYDIRECT_TCP_STREAMS=0`` every object goes this way).
+There used to be a third path, 16 MiB ZeroMQ frames on the control socket, for
+objects under 4 MiB and for encrypted agents (CURVE). Measured (docs/cluster.md),
+the stream port is as fast at 1 MiB and several times faster encrypted, so the
+control socket now carries control only.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -30,19 +31,7 @@ if TYPE_CHECKING:
     from raydirect._server import Reply
     from raydirect._store import StoredObject
 
-CHUNK_BYTES = 16 << 20
 INLINE_MAX_BYTES = 64 << 10
-# Below this a ticket's extra round trip (and perhaps a connection) costs more
-# than the control channel's extra copy.
-STREAM_MIN_BYTES = 4 << 20
-# After a stream breaks, how long the control channel gets to report the
-# producer's death (a ProducerLostError says more than a broken stream).
-_LOSS_GRACE_S = 2.0
-
-
-def chunks(view: memoryview, size: int = CHUNK_BYTES):
-    for start in range(0, len(view), size):
-        yield view[start : start + size]
 
 
 def byte_view(t: torch.Tensor) -> memoryview:
@@ -90,14 +79,11 @@ class TcpTransport(ByteTransport):
             reply.send({"ok": True, "inline": True}, *[s.numpy().tobytes() for s in sources])
             return nbytes
         streams = _stream_server.running()
-        if request.get("streams") and nbytes >= STREAM_MIN_BYTES and streams is not None:
-            ticket, _ = streams.issue([byte_view(s) for s in sources])
-            reply.send({"ok": True, "stream": {"port": streams.port, "ticket": ticket.hex()}})
-            return nbytes
-        reply.send({"ok": True, "inline": False, "chunk": CHUNK_BYTES})
-        for source in sources:
-            for piece in chunks(byte_view(source)):
-                reply.send_frame(piece)
+        if streams is None:
+            raise RuntimeError("this agent has no stream port")
+        ticket, secret, _ = streams.issue([byte_view(s) for s in sources])
+        offer = {"port": streams.port, "ticket": ticket.hex(), "secret": secret.hex()}
+        reply.send({"ok": True, "stream": offer})
         return nbytes
 
     def receive(
@@ -105,23 +91,16 @@ class TcpTransport(ByteTransport):
     ) -> None:
         who = link.who
         asked: dict[str, Any] = {} if ranges.whole else {"ranges": ranges.rows()}
-        if _stream_client.enabled():
-            asked["streams"] = True
+        _stream_client.configured_streams()  # a bad RAYDIRECT_TCP_STREAMS: refused before asking
         with channel(link.producer.agent_address) as ch:
             header, frames = self.ask_producer(ch, obj_id, link, **asked)
             if header.get("inline"):
                 _copy_inline(frames, ranges.dests, who)
                 return
-            if isinstance(header.get("stream"), dict):
-                _receive_streams(ch, header["stream"], link, ranges.dests)
-                return
-            chunk = header.get("chunk")
-            if not isinstance(chunk, int) or chunk <= 0:
-                raise TransferError(f"corrupt reply from {who}: chunk size {chunk!r}")
-            for dest in ranges.dests:
-                for piece in chunks(byte_view(dest), chunk):
-                    link.check_deadline()  # a closed gate too
-                    ch.recv_into(piece, link.deadline, who)
+            offer = header.get("stream")
+            if not isinstance(offer, dict):
+                raise TransferError(f"corrupt reply from {who}: neither inline nor a stream")
+            _receive_streams(ch, offer, link, ranges.dests)
 
 
 def _receive_streams(
@@ -129,28 +108,24 @@ def _receive_streams(
 ) -> None:
     who = link.who
     try:
-        address = (ch.address.rpartition("//")[2].rpartition(":")[0], int(offer["port"]))
-        ticket = bytes.fromhex(offer["ticket"])
+        peer = _stream_client.Peer((ch.host, int(offer["port"])), ch.tls_pin, who)
+        ticket, secret = bytes.fromhex(offer["ticket"]), bytes.fromhex(offer["secret"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise TransferError(f"corrupt reply from {who}: bad stream offer {offer!r}") from exc
+        raise TransferError(f"corrupt reply from {who}: a bad stream offer") from exc
 
     def watch() -> None:  # on this thread, between pieces: the producer, and the gate
-        ch.check_peer(who)
+        ch.check_peer(who, link.deadline)
         link.check_deadline()
 
     try:
-        _stream_client.receive(address, ticket, [byte_view(d) for d in dests], link.deadline, watch)
+        _stream_client.receive(
+            peer, ticket, secret, [byte_view(d) for d in dests], link.deadline, watch
+        )
     except TimeoutError:
         raise
-    except OSError as exc:
-        until = time.monotonic() + _LOSS_GRACE_S
-        while time.monotonic() < until:  # ProducerLostError if that is what happened
-            ch.check_peer(who)
-            time.sleep(0.05)
-        raise TransferError(
-            f"the tcp stream from {who} broke during the transfer ({exc}); the producer is "
-            "alive and still holds the object: read it again"
-        ) from exc
+    except (OSError, EOFError) as exc:  # ProducerLostError if that is what happened
+        what = f"the tcp stream from {who} broke"
+        raise ch.why_broken(who, link.deadline, what, str(exc)) from exc
 
 
 def _copy_inline(frames: list[Any], targets: Sequence[torch.Tensor], who: str) -> None:

@@ -1,0 +1,257 @@
+"""One stream connection after its set-up: in clear, in TLS records, or in
+AES-256-GCM frames (see ``_tls`` for which and why).
+
+``Link`` is what ``_stream_server`` and ``_stream_client`` talk through: small
+messages (``send``, ``recv_exactly``) and a window's bytes (``send_pieces``,
+``recv_pieces``), each filling or sending exactly what was asked, or raising
+``ConnectionError`` (the peer closed, or sent what it must not) or
+``TimeoutError`` (from the socket's timeout; the client passes ``check``, called
+at each timeout, to watch its deadline and the producer).
+
+Frames (``FramedLink``): a 4-byte little-endian length (at most ``FRAME_BYTES``:
+a longer one is refused before anything is read into memory), then the
+ciphertext and its 16-byte tag. The length is the frame's associated data, the
+nonce the direction and a counter, so a frame cannot be cut, reordered, replayed
+or moved to the other direction without the tag failing. One key per
+connection, from 32 random bytes of each side exchanged inside the TLS session
+(``frame_key``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import socket
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+from raydirect._tls import (
+    FRAMES,
+    KTLS,
+    TLS,
+    ServerSecurity,
+    check_pin,
+    client_context,
+    ktls_active,
+)
+
+FRAME_BYTES = 1 << 20
+_RECV_BYTES = 16 << 20  # per recv_into call: bounded time between deadline checks
+_DIRECT_BYTES = 64 << 10  # pieces this large are sealed straight from their memory
+_LENGTH = struct.Struct("<I")
+_TAG = 16
+TO_CLIENT, TO_SERVER = 0, 1
+
+Check = Callable[[], None]
+
+
+def _no_check() -> None:
+    return None
+
+
+def frame_key(server_random: bytes, client_random: bytes) -> bytes:
+    return hmac.new(server_random, b"raydirect frames v1" + client_random, hashlib.sha256).digest()
+
+
+def recv_exactly_into(
+    sock: Any, view: memoryview, check: Check = _no_check, deadline: float | None = None
+) -> None:
+    """Fill ``view`` from ``sock`` (a socket or an SSL socket); ``check`` at each
+    timeout, and ``TimeoutError`` past ``deadline`` even while bytes flow."""
+    while len(view):
+        try:
+            got = sock.recv_into(view, min(len(view), _RECV_BYTES))
+        except TimeoutError:
+            check()
+            continue
+        if got == 0:
+            raise ConnectionError("the peer closed the stream midway")
+        view = view[got:]
+        if deadline is not None and len(view) and time.monotonic() > deadline:
+            raise TimeoutError("the stream did not finish before the deadline")
+
+
+class Link:
+    """Clear bytes, or TLS records (``sock`` an ``ssl.SSLSocket``)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+
+    def settimeout(self, seconds: float | None) -> None:
+        self.sock.settimeout(seconds)
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def recv_exactly(self, size: int, check: Check = _no_check) -> bytes:
+        buf = bytearray(size)
+        recv_exactly_into(self.sock, memoryview(buf), check)
+        return bytes(buf)
+
+    def send_pieces(self, pieces: list[memoryview]) -> None:
+        for piece in pieces:
+            self.sock.sendall(piece)
+
+    def recv_pieces(
+        self, pieces: list[memoryview], check: Check = _no_check, deadline: float | None = None
+    ) -> None:
+        for piece in pieces:
+            recv_exactly_into(self.sock, piece, check, deadline)
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+class FramedLink(Link):
+    """AES-256-GCM frames over a plain socket, after a TLS handshake gave the key."""
+
+    def __init__(self, sock: socket.socket, key: bytes, server: bool) -> None:
+        super().__init__(sock)
+        self._aead = AESGCM(key)
+        self._out_dir, self._in_dir = (TO_CLIENT, TO_SERVER) if server else (TO_SERVER, TO_CLIENT)
+        self._sent = 0
+        self._received = 0
+        self._sealed = bytearray(_LENGTH.size + FRAME_BYTES + _TAG)
+        self._plain = bytearray(FRAME_BYTES)  # small pieces gathered into one frame
+        self._staged = 0
+
+    # -- sending
+    def _nonce(self, direction: int, counter: int) -> bytes:
+        return struct.pack("<IQ", direction, counter)
+
+    def _seal(self, data: memoryview) -> None:
+        n = len(data)
+        length = _LENGTH.pack(n)
+        sealed = memoryview(self._sealed)
+        sealed[: _LENGTH.size] = length
+        end = _LENGTH.size + n + _TAG
+        self._aead.encrypt_into(
+            self._nonce(self._out_dir, self._sent), data, length, sealed[_LENGTH.size : end]
+        )
+        self._sent += 1
+        self.sock.sendall(sealed[:end])
+
+    def _flush(self) -> None:
+        if self._staged:
+            staged, self._staged = self._staged, 0
+            self._seal(memoryview(self._plain)[:staged])
+
+    def send(self, data: bytes) -> None:
+        self.send_pieces([memoryview(data)])
+
+    def send_pieces(self, pieces: list[memoryview]) -> None:
+        plain = memoryview(self._plain)
+        for piece in pieces:
+            while len(piece):
+                if self._staged == 0 and len(piece) >= _DIRECT_BYTES:
+                    take = min(len(piece), FRAME_BYTES)
+                    self._seal(piece[:take])
+                else:
+                    take = min(len(piece), FRAME_BYTES - self._staged)
+                    plain[self._staged : self._staged + take] = piece[:take]
+                    self._staged += take
+                    if self._staged == FRAME_BYTES:
+                        self._flush()
+                piece = piece[take:]
+        self._flush()
+
+    # -- receiving
+    def _open(self, check: Check, room: int, deadline: float | None) -> tuple[memoryview, int]:
+        """Read one frame's sealed bytes (at most ``room`` plain bytes): (ciphertext
+        with tag, plain length)."""
+        sealed = memoryview(self._sealed)
+        recv_exactly_into(self.sock, sealed[: _LENGTH.size], check)
+        (n,) = _LENGTH.unpack(sealed[: _LENGTH.size])
+        if n > min(room, FRAME_BYTES) or n == 0:
+            raise ConnectionError(f"corrupt stream: a frame of {n} bytes where {room} are due")
+        body = sealed[_LENGTH.size : _LENGTH.size + n + _TAG]
+        recv_exactly_into(self.sock, body, check, deadline)
+        return body, n
+
+    def _decrypt(self, body: memoryview, n: int, out: memoryview) -> None:
+        try:
+            self._aead.decrypt_into(
+                self._nonce(self._in_dir, self._received), body, _LENGTH.pack(n), out
+            )
+        except InvalidTag:
+            raise ConnectionError("corrupt stream: a frame failed authentication") from None
+        self._received += 1
+
+    def recv_exactly(self, size: int, check: Check = _no_check) -> bytes:
+        buf = bytearray(size)
+        self.recv_pieces([memoryview(buf)], check)
+        return bytes(buf)
+
+    def recv_pieces(
+        self, pieces: list[memoryview], check: Check = _no_check, deadline: float | None = None
+    ) -> None:
+        pieces = [p for p in pieces if len(p)]
+        room = sum(len(p) for p in pieces)
+        plain = memoryview(self._plain)
+        while pieces:
+            body, n = self._open(check, room, deadline)
+            room -= n
+            if n <= len(pieces[0]):  # the frame lands inside one piece: straight there
+                self._decrypt(body, n, pieces[0][:n])
+                pieces[0] = pieces[0][n:]
+            else:  # it spans pieces: through the scratch buffer
+                self._decrypt(body, n, plain[:n])
+                pos = 0
+                while pos < n:
+                    take = min(len(pieces[0]), n - pos)
+                    pieces[0][:take] = plain[pos : pos + take]
+                    pieces[0] = pieces[0][take:]
+                    pos += take
+                    if not len(pieces[0]):
+                        pieces.pop(0)
+                continue
+            if not len(pieces[0]):
+                pieces.pop(0)
+
+
+# ------------------------------------------------------------------ set-up
+
+_RANDOM = 32
+_LAYERS = {0: "frames", 1: "tls", 2: "ktls"}  # the byte the server sends, inside TLS
+
+
+def secure_server(raw: socket.socket, security: ServerSecurity) -> tuple[Link, str]:
+    """TLS on an accepted connection (``raw``'s timeout bounds each step), then the
+    record layer the server chose: (the link, what it is: tls or ktls)."""
+    tls = security.context.wrap_socket(raw, server_side=True)
+    layer = security.records
+    if layer == KTLS and not ktls_active(tls):
+        layer = FRAMES  # the kernel refused this connection: tell the consumer
+    code = next(k for k, v in _LAYERS.items() if v == layer)
+    server_random = os.urandom(_RANDOM)
+    tls.sendall(bytes([code]) + server_random)
+    client_random = bytearray(_RANDOM)
+    recv_exactly_into(tls, memoryview(client_random))
+    if layer != FRAMES:
+        return Link(tls), KTLS if layer == KTLS else TLS
+    plain = tls.unwrap()
+    return FramedLink(plain, frame_key(server_random, bytes(client_random)), server=True), TLS
+
+
+def secure_client(raw: socket.socket, pin: str) -> Link:
+    """TLS to a producer's stream port whose address carries ``pin`` (``raw``'s
+    timeout bounds each step), then the record layer the server names."""
+    tls = client_context(pin).wrap_socket(raw)
+    check_pin(tls, pin)
+    head = bytearray(1 + _RANDOM)
+    recv_exactly_into(tls, memoryview(head))
+    layer = _LAYERS.get(head[0])
+    if layer is None:
+        raise ConnectionError(f"the stream port named an unknown record layer ({head[0]})")
+    client_random = os.urandom(_RANDOM)
+    tls.sendall(client_random)
+    if layer != FRAMES:
+        return Link(tls)
+    plain = tls.unwrap()
+    return FramedLink(plain, frame_key(bytes(head[1:]), client_random), server=False)
