@@ -263,6 +263,9 @@ class Row:
     error: str | None = None
     skipped: str | None = None
     note: str = ""
+    # What else the row measured beside times (workload 7: each worker's bytes
+    # received over the bytes of its slice), by name.
+    measured: dict[str, float] = field(default_factory=dict)
 
     def values(self) -> list[float]:
         if self.unit == "us":
@@ -296,6 +299,7 @@ class Row:
             "error": self.error,
             "skipped": self.skipped,
             "note": self.note,
+            "measured": self.measured,
         }
 
 

@@ -1,0 +1,271 @@
+"""Workload 7: weight sync from a sharded trainer, N ranks holding rows to N
+workers holding columns.
+
+The question: how long does one weight-sync step take when the trainer is
+sharded (every tensor ``Shard(0)`` over N ranks, as FSDP2 places it) and each
+inference worker holds other slices (columns of every matrix, as tensor
+parallelism splits a row-parallel weight; vectors whole), if every byte goes
+straight from the rank that holds it to the worker that needs it, against
+first gathering the whole model on rank 0 and publishing it from there? And
+does each worker receive only its slice?
+
+Rows, at N -> N for each N of ``--consumers`` from 2 up (2 -> 2 and 4 -> 4 by
+default; a point the machine's memory cannot hold is skipped, saying so):
+
+- resharding: every rank publishes its rows (``rd.WeightPublisher(rows,
+  placement=...)``), every worker loads its columns from all of them
+  (``sub.load([h0, ..., hN-1])``);
+- gather then publish: ranks 1..N-1 return their rows (``@rd.method``), rank 0
+  copies its own rows into a whole model and reads the others' straight into
+  their places there (``rd.get(refs, into=...)``), publishes the whole, and
+  every worker loads its columns from that one handle;
+- all-gather then publish: every rank runs ``torch.distributed.all_gather_single``
+  over gloo for each tensor (the trainer's own world), then rank 0 publishes
+  the whole, as above;
+- the floor: one copy of each worker's slice, one after another, in one
+  process (the driver, one thread), from the whole model.
+
+Per step, untimed: every rank writes its rows in place (a new seed). Timed, from
+the driver: from the first publish (or gather) call until every worker's load
+has returned. Then, untimed, each worker's tensors are checked (sampled) and its
+bytes received in the load (``rd.local_stats()``) compared with its slice. GB/s
+counts the bytes of all workers' slices.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import ray
+import torch
+
+from rdbench.common import (
+    DTYPE,
+    ELEMENT_BYTES,
+    GROUP_FLOORS,
+    GROUP_RAYDIRECT,
+    SETUP_TIMEOUT_S,
+    TRANSFER_TIMEOUT_S,
+    Layout,
+    Row,
+    describe_error,
+    fill_layout,
+    format_size,
+    layout_bytes,
+    log,
+    run_row,
+    state_dict_layout,
+)
+from rdbench.fleet import Context, skip
+from rdbench.report import TargetLine, render_targets
+from rdbench.reshard_actors import TrainerRank, Worker
+from rdbench.shards import columns_of, shard_bytes, sharded_shape
+
+RESHARD = "raydirect resharding, sub.load([h0, ..., hN-1])"
+GATHER_PUBLISH = "gather to rank 0 with raydirect, then publish"
+ALL_GATHER_PUBLISH = "torch.distributed all-gather (gloo), then publish"
+BLOCKS = "shard_blocks"  # the publishers store each matrix as one block per worker
+FLOOR = "floor: in-process copy of each worker's slice"
+WORKER_BYTES = "worker bytes / slice"  # Row.measured: the most any worker received
+FASTER, EXACT = 0.6, 1.05  # the targets: time against gather-then-publish; bytes
+# What a point holds, in units of the state: rows (1), every rank's whole (N), two
+# depth-2 publishers (plain and blocked) of the rows (4) and of rank 0's whole (4),
+# the workers' slices (1) and their scratch (up to 1), the floor's source and targets (2).
+_MEMORY_STATES = 13
+# system -> (how the step runs, whether the publishers lay out blocks of columns)
+_SYSTEMS = {
+    RESHARD: ("reshard", False),
+    f"{RESHARD}, {BLOCKS}": ("reshard", True),
+    GATHER_PUBLISH: ("gather", False),
+    f"{GATHER_PUBLISH}, {BLOCKS}": ("gather", True),
+    ALL_GATHER_PUBLISH: ("all-gather", False),
+}
+
+
+def _param(n: int) -> str:
+    return f"{n} ranks -> {n} workers"
+
+
+def reshard(ctx: Context) -> list[Row]:
+    """Workload 7 (see the module docstring)."""
+    cfg, rows = ctx.config, list[Row]()
+    layout = state_dict_layout(cfg.state_bytes)
+    versions = itertools.count(1)  # one sequence for every publisher and subscriber
+    points = sorted({n for n in cfg.consumers if n >= 2})
+    log(f"w7: {len(layout)} tensors, {format_size(cfg.state_bytes)}, points {points}")
+    for n in points:
+        delivered = sum(shard_bytes(layout, w, n, columns_of) for w in range(n))
+        if cfg.wants(GROUP_RAYDIRECT):
+            family = [Row(7, s, _param(n), n, delivered) for s in _SYSTEMS]
+            rows += family
+            missing = _memory_missing(layout, n)
+            if missing:
+                for row in family:
+                    skip(row, missing)
+            else:
+                _run_point(ctx, family, layout, n, versions)
+        if cfg.wants(GROUP_FLOORS):
+            rows.append(_floor(ctx, layout, n, delivered))
+    return rows
+
+
+def _memory_missing(layout: Layout, n: int) -> str | None:
+    """Why this machine cannot hold point ``n``, or None."""
+    need = (_MEMORY_STATES + n) * layout_bytes(layout)
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        available = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None  # no way to tell: try
+    if need > 0.8 * available:
+        return (
+            f"{n} -> {n} needs about {format_size(need)} and {format_size(available)} is available"
+        )
+    return None
+
+
+def _run_point(
+    ctx: Context, family: list[Row], layout: Layout, n: int, versions: Iterator[int]
+) -> None:
+    """Start N ranks in one gloo world and N workers, run every row, stop them."""
+    log(f"w7: starting {n} trainer ranks (one gloo world) and {n} workers")
+    ranks = [TrainerRank.remote(r, n) for r in range(n)]
+    workers = [Worker.remote(w, n) for w in range(n)]
+    try:
+        port = ray.get(ranks[0].open_store.remote(), timeout=SETUP_TIMEOUT_S)
+        ray.get([r.join.remote(port) for r in ranks], timeout=SETUP_TIMEOUT_S)
+        ray.get([r.allocate.remote(layout) for r in ranks], timeout=SETUP_TIMEOUT_S)
+        slices = ray.get([w.allocate.remote(layout) for w in workers], timeout=SETUP_TIMEOUT_S)
+    except Exception as exc:
+        reason = f"w7 set-up failed: {describe_error(exc)}"
+        log(reason)
+        for row in family:
+            row.error = reason
+        _stop([*ranks, *workers])
+        return
+    for row in family:
+        received: list[list[int]] = []
+        step = _step(row.system, ranks, workers, slices, versions, received)
+        run_row(row, ctx.config.sync_steps, step, ctx.seed_iter)
+        if received:
+            row.measured[WORKER_BYTES] = max(
+                got / want for one in received for got, want in zip(one, slices, strict=True)
+            )
+    _stop([*ranks, *workers])
+
+
+def _stop(actors: list[Any]) -> None:
+    try:
+        ray.get([a.release.remote() for a in actors], timeout=SETUP_TIMEOUT_S)
+    except Exception as exc:
+        log(f"w7: releasing the actors' tensors failed: {describe_error(exc)}")
+    for actor in actors:
+        ray.kill(actor)
+
+
+def _step(
+    system: str,
+    ranks: list[Any],
+    workers: list[Any],
+    slices: list[int],
+    versions: Iterator[int],
+    received: list[list[int]],
+) -> Callable[[int], float]:
+    """One timed step of ``system``; appends each worker's bytes received to ``received``."""
+    how, blocked = _SYSTEMS[system]
+    source = f"{'ranks' if how == 'reshard' else 'whole'}{', blocked' * blocked}"
+
+    def step(seed: int) -> float:
+        ray.get([r.prepare.remote(seed) for r in ranks], timeout=SETUP_TIMEOUT_S)
+        version = next(versions)
+        start = time.perf_counter()
+        others: list[Any] = []
+        if how == "reshard":
+            handles: Any = [r.publish.remote(version, blocked) for r in ranks]
+        elif how == "gather":
+            refs = [r.rows_state.remote() for r in ranks[1:]]  # in a list: Ray passes refs
+            handles = ranks[0].gather_publish.remote(refs, version, blocked)
+        else:
+            handles, *others = [r.allgather_publish.remote(version, blocked) for r in ranks]
+        loads = [w.load.remote(source, handles) for w in workers]
+        got = ray.get(loads, timeout=TRANSFER_TIMEOUT_S)
+        seconds = time.perf_counter() - start
+        ray.get(others, timeout=TRANSFER_TIMEOUT_S)  # done already: their gathers fed rank 0's
+        received.append(got)
+        held = ray.get([w.check.remote(seed) for w in workers], timeout=TRANSFER_TIMEOUT_S)
+        if held != slices:
+            raise ValueError(f"workers hold {held} bytes, expected {slices}")
+        return seconds
+
+    return step
+
+
+def _floor(ctx: Context, layout: Layout, n: int, delivered: int) -> Row:
+    """One copy of each of the N workers' slices from the whole model, one after
+    another, in the driver, on one thread (as in a Ray worker)."""
+    row = Row(7, FLOOR, _param(n), n, delivered)
+    source = {name: torch.empty(shape, dtype=DTYPE) for name, shape in layout.items()}
+    pairs = []  # (target, the strided view of the source it copies)
+    for w in range(n):
+        for name, shape in layout.items():
+            spec = columns_of(name, shape, w, n)
+            view = source[name] if spec is None else source[name][:, spec[1] : spec[2]]
+            target = torch.zeros(sharded_shape(name, shape, w, n, columns_of), dtype=DTYPE)
+            pairs.append((target, view))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def copy(seed: int) -> float:
+        fill_layout(source, seed)
+        start = time.perf_counter()
+        for target, view in pairs:
+            target.copy_(view)
+        seconds = time.perf_counter() - start
+        if sum(t.numel() for t, _ in pairs) * ELEMENT_BYTES != delivered:
+            raise ValueError("the floor copied other bytes than the workers' slices")
+        if not all(torch.equal(t, v) for t, v in pairs[:: max(1, len(pairs) // 16)]):
+            raise ValueError("the floor's copy differs")
+        return seconds
+
+    try:
+        return run_row(row, ctx.config.sync_steps, copy, ctx.seed_iter)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------- targets
+
+BYTES_TITLE = (
+    "Targets (this run: times as ratios of median step times; bytes as the most any "
+    "worker received in one load, by rd.local_stats(), over the bytes of its slice):"
+)
+
+
+def reshard_targets(rows: Sequence[Row]) -> str:
+    """The issue's two targets at each point this run measured, with the publishers
+    laid out plainly and with ``shard_blocks``: resharding at most 0.6x the time of
+    gather then publish (laid out alike); each worker's bytes at most 1.05x its slice."""
+    ms = {
+        (r.system, r.param): statistics.median(r.times_s) * 1e3
+        for r in rows
+        if r.times_s and r.error is None
+    }
+    by_key = {(r.system, r.param): r for r in rows}
+    lines: list[TargetLine] = []
+    for point in dict.fromkeys(r.param for r in rows if r.system == RESHARD):
+        for suffix, how in (("", "plain slots"), (f", {BLOCKS}", BLOCKS)):
+            ours, theirs = f"{RESHARD}{suffix}", f"{GATHER_PUBLISH}{suffix}"
+            mine, base = ms.get((ours, point)), ms.get((theirs, point))
+            got = mine / base if mine is not None and base else None
+            what = f"resharding / gather then publish ({how})"
+            lines.append(TargetLine(what, FASTER, True, point, got, None))
+            row = by_key.get((ours, point))
+            worst = row.measured.get(WORKER_BYTES) if row and row.error is None else None
+            what = f"each worker's bytes / its slice ({how})"
+            lines.append(TargetLine(what, EXACT, True, point, worst, None))
+    return render_targets(lines, BYTES_TITLE)
