@@ -290,8 +290,11 @@ class Published:
     dtypes: list[str]
     global_shapes: list[tuple[int, ...]]
     device: str
-    index: SourceIndex
-    problems: dict[int, list[str]]  # disagreements and the boxes' own problems
+    index: SourceIndex  # its ``problems``: the boxes' own (gaps, partial overlaps)
+    # The ranks' disagreements on a tensor's global shape or dtype, by tensor number:
+    # not the index's to find (it sees only the first claim of each), so kept here
+    # for the subscriber to refuse.
+    disagreements: dict[int, list[str]]
 
     @classmethod
     def of(cls, layouts: Sequence[WeightsLayout]) -> Published:
@@ -306,20 +309,18 @@ class Published:
             for name in layout.names:
                 number.setdefault(name, len(number))
         claims = _Claims.of(layouts, number)
-        shapes, problems = boxes.agree(claims.tensor, claims.rank, claims.shape, len(number))
+        shapes, disagree = boxes.agree(claims.tensor, claims.rank, claims.shape, len(number))
         codes, wrong = boxes.agree(claims.tensor, claims.rank, claims.dtype, len(number), "dtype")
         for t in wrong:  # say it with the dtypes' names, not their codes
-            problems.setdefault(t, []).append(claims.dtype_disagreement(t))
+            disagree.setdefault(t, []).append(claims.dtype_disagreement(t))
         dtypes = [claims.dtype_names[c] for c in codes[:, 0].tolist()]
         itemsize = [torch.empty((), dtype=torch_dtype(d)).element_size() for d in dtypes]
         tensors = boxes.Tensors(np.asarray(itemsize, np.int64), shapes)
         index = index_sources(tensors, boxes.Sources(*_pieces(layouts, number, claims.ndim)))
-        for t, messages in index.problems.items():
-            problems.setdefault(t, []).extend(messages)
         global_shapes = [
             tuple(shapes[t, claims.ndim - n :].tolist()) for t, n in enumerate(claims.ndims)
         ]
-        return cls(list(number), number, dtypes, global_shapes, devices.pop(), index, problems)
+        return cls(list(number), number, dtypes, global_shapes, devices.pop(), index, disagree)
 
 
 @dataclass

@@ -314,6 +314,8 @@ class WeightSubscriber:
         problems = self._name_problems(published)
         rows, dests, loaded = self._target_rows(published, problems)
         targets = boxes.Targets(*rows)
+        for t in sorted(set(targets.tensor.tolist()) & published.disagreements.keys()):
+            problems.extend(f"{published.names[t]!r}: {m}" for m in published.disagreements[t])
         for t, messages in planner.check(published.index, targets).items():
             problems.extend(f"{published.names[t]!r}: {m}" for m in messages)
         if problems:
