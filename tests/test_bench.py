@@ -61,7 +61,9 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
     for system in (
         resharding,
         f"{resharding}, shard_blocks",
+        f"{resharding}, depth=0",
         "gather to rank 0 with raydirect, then publish",
+        "gather to rank 0 with raydirect, then publish, depth=0",
         "torch.distributed all-gather (gloo), then publish",
         "floor: in-process copy of each worker's slice",
     ):
@@ -70,7 +72,7 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
         if row["workload"] == 7 and not row["system"].startswith("floor"):
             assert row["param"] == "2 ranks -> 2 workers", row
             assert row["measured"]["worker bytes / slice"] <= 1.05, row
-    assert "| resharding / gather then publish (shard_blocks), at most 0.6x |" in done.stdout
+    assert "| resharding / gather then publish (depth=0), at most 0.6x |" in done.stdout
     # progress lines name workload, system and point
     assert "w2 raydirect auto @ 2 consumers" in done.stderr
     # one markdown table per workload on stdout
@@ -119,7 +121,14 @@ def test_resharding_targets_compare_like_with_like():
     publisher laid out alike, and the most any worker received over its slice."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     from rdbench.common import Row
-    from rdbench.reshard import BLOCKS, GATHER_PUBLISH, RESHARD, WORKER_BYTES, reshard_targets
+    from rdbench.reshard import (
+        BLOCKS,
+        GATHER_PUBLISH,
+        LIVE,
+        RESHARD,
+        WORKER_BYTES,
+        reshard_targets,
+    )
 
     point = "2 ranks -> 2 workers"
 
@@ -134,16 +143,17 @@ def test_resharding_targets_compare_like_with_like():
         row(GATHER_PUBLISH, 100.0),  # 0.70x: missed
         row(f"{RESHARD}, {BLOCKS}", 50.0, 1.06),  # a worker read 6% more than its slice
         row(f"{GATHER_PUBLISH}, {BLOCKS}", 100.0),  # 0.50x: met
+        row(f"{RESHARD}, {LIVE}", 40.0, 1.0),  # no gather-then-publish row: no ratio
     ]
     table = reshard_targets(rows).splitlines()
     assert table[4] == (
-        f"| resharding / gather then publish (plain slots), at most 0.6x | {point} | 0.70x | - "
-        "| no |"
+        f"| resharding / gather then publish (depth=2), at most 0.6x | {point} | 0.70x | - | no |"
     )
-    assert table[5].endswith(f"(plain slots), at most 1.05x | {point} | 1.00x | - | yes |")
-    assert table[6].endswith(f"({BLOCKS}), at most 0.6x | {point} | 0.50x | - | yes |")
-    assert table[7].endswith(f"({BLOCKS}), at most 1.05x | {point} | 1.06x | - | no |")
-    assert len(table) == 8
+    assert table[5].endswith(f"(depth=2), at most 1.05x | {point} | 1.00x | - | yes |")
+    assert table[6].endswith(f"(depth=2, {BLOCKS}), at most 0.6x | {point} | 0.50x | - | yes |")
+    assert table[7].endswith(f"(depth=2, {BLOCKS}), at most 1.05x | {point} | 1.06x | - | no |")
+    assert table[8].endswith(f"({LIVE}), at most 1.05x | {point} | 1.00x | - | yes |")
+    assert len(table) == 9
     rows[0].error = "failed"  # a row that failed judges nothing
-    assert len(reshard_targets(rows).splitlines()) == 6
+    assert len(reshard_targets(rows).splitlines()) == 7
     assert reshard_targets([]) == ""

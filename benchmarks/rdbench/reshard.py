@@ -25,6 +25,14 @@ default; a point the machine's memory cannot hold is skipped, saying so):
 - the floor: one copy of each worker's slice, one after another, in one
   process (the driver, one thread), from the whole model.
 
+Resharding and gather then publish run with each way a publisher can lay a
+version out, so that each pair compares like with like: ``depth=2`` (a snapshot
+copy per version, the default), ``depth=2`` with ``shard_blocks`` (each matrix
+stored as one block of columns per worker, so that a worker's columns are one
+stretch of each slot instead of a short run per row), and ``depth=0`` (no copy:
+the handle refers to the tensors themselves, which the trainer writes only once
+no handle holds them). All-gather then publish runs with ``depth=2``.
+
 Per step, untimed: every rank writes its rows in place (a new seed). Timed, from
 the driver: from the first publish (or gather) call until every worker's load
 has returned. Then, untimed, each worker's tensors are checked (sampled) and its
@@ -69,20 +77,22 @@ RESHARD = "raydirect resharding, sub.load([h0, ..., hN-1])"
 GATHER_PUBLISH = "gather to rank 0 with raydirect, then publish"
 ALL_GATHER_PUBLISH = "torch.distributed all-gather (gloo), then publish"
 BLOCKS = "shard_blocks"  # the publishers store each matrix as one block per worker
+LIVE = "depth=0"  # the publishers make no copy: a version is the tensors themselves
 FLOOR = "floor: in-process copy of each worker's slice"
 WORKER_BYTES = "worker bytes / slice"  # Row.measured: the most any worker received
 FASTER, EXACT = 0.6, 1.05  # the targets: time against gather-then-publish; bytes
 # What a point holds, in units of the state: rows (1), every rank's whole (N), two
-# depth-2 publishers (plain and blocked) of the rows (4) and of rank 0's whole (4),
+# depth-2 publishers (copies and blocks) of the rows (4) and of rank 0's whole (4),
 # the workers' slices (1) and their scratch (up to 1), the floor's source and targets (2).
 _MEMORY_STATES = 13
-# system -> (how the step runs, whether the publishers lay out blocks of columns)
+# How the publishers lay out a version: system suffix -> the actors' ``slots``.
+_SLOTS = {"": "copy", f", {BLOCKS}": "blocks", f", {LIVE}": "live"}
+# system -> (how the step runs, the publishers' slots): resharding and gather then
+# publish with each layout, so that each pair compares like with like.
 _SYSTEMS = {
-    RESHARD: ("reshard", False),
-    f"{RESHARD}, {BLOCKS}": ("reshard", True),
-    GATHER_PUBLISH: ("gather", False),
-    f"{GATHER_PUBLISH}, {BLOCKS}": ("gather", True),
-    ALL_GATHER_PUBLISH: ("all-gather", False),
+    **{f"{RESHARD}{suffix}": ("reshard", slots) for suffix, slots in _SLOTS.items()},
+    **{f"{GATHER_PUBLISH}{suffix}": ("gather", slots) for suffix, slots in _SLOTS.items()},
+    ALL_GATHER_PUBLISH: ("all-gather", "copy"),
 }
 
 
@@ -177,8 +187,8 @@ def _step(
     received: list[list[int]],
 ) -> Callable[[int], float]:
     """One timed step of ``system``; appends each worker's bytes received to ``received``."""
-    how, blocked = _SYSTEMS[system]
-    source = f"{'ranks' if how == 'reshard' else 'whole'}{', blocked' * blocked}"
+    how, slots = _SYSTEMS[system]
+    source = f"{'ranks' if how == 'reshard' else 'whole'}, {slots}"  # a subscriber for each
 
     def step(seed: int) -> float:
         ray.get([r.prepare.remote(seed) for r in ranks], timeout=SETUP_TIMEOUT_S)
@@ -186,12 +196,12 @@ def _step(
         start = time.perf_counter()
         others: list[Any] = []
         if how == "reshard":
-            handles: Any = [r.publish.remote(version, blocked) for r in ranks]
+            handles: Any = [r.publish.remote(version, slots) for r in ranks]
         elif how == "gather":
             refs = [r.rows_state.remote() for r in ranks[1:]]  # in a list: Ray passes refs
-            handles = ranks[0].gather_publish.remote(refs, version, blocked)
+            handles = ranks[0].gather_publish.remote(refs, version, slots)
         else:
-            handles, *others = [r.allgather_publish.remote(version, blocked) for r in ranks]
+            handles, *others = [r.allgather_publish.remote(version, slots) for r in ranks]
         loads = [w.load.remote(source, handles) for w in workers]
         got = ray.get(loads, timeout=TRANSFER_TIMEOUT_S)
         seconds = time.perf_counter() - start
@@ -247,9 +257,9 @@ BYTES_TITLE = (
 
 
 def reshard_targets(rows: Sequence[Row]) -> str:
-    """The issue's two targets at each point this run measured, with the publishers
-    laid out plainly and with ``shard_blocks``: resharding at most 0.6x the time of
-    gather then publish (laid out alike); each worker's bytes at most 1.05x its slice."""
+    """The issue's two targets at each point this run measured, for each way the
+    publishers lay a version out: resharding at most 0.6x the time of gather then
+    publish (laid out alike); each worker's bytes at most 1.05x its slice."""
     ms = {
         (r.system, r.param): statistics.median(r.times_s) * 1e3
         for r in rows
@@ -258,8 +268,9 @@ def reshard_targets(rows: Sequence[Row]) -> str:
     by_key = {(r.system, r.param): r for r in rows}
     lines: list[TargetLine] = []
     for point in dict.fromkeys(r.param for r in rows if r.system == RESHARD):
-        for suffix, how in (("", "plain slots"), (f", {BLOCKS}", BLOCKS)):
+        for suffix, slots in _SLOTS.items():
             ours, theirs = f"{RESHARD}{suffix}", f"{GATHER_PUBLISH}{suffix}"
+            how = {"copy": "depth=2", "blocks": f"depth=2, {BLOCKS}", "live": LIVE}[slots]
             mine, base = ms.get((ours, point)), ms.get((theirs, point))
             got = mine / base if mine is not None and base else None
             what = f"resharding / gather then publish ({how})"

@@ -75,19 +75,23 @@ class _TrainerRank:
         self.prepare(0)  # every page touched now, not in a timed step
         return sum(t.numel() for t in self.rows.values()) * ELEMENT_BYTES
 
-    def _publisher(self, what: str, blocked: bool) -> Any:
+    def _publisher(self, what: str, slots: str) -> Any:
         """The publisher of this rank's rows (``what`` "rows") or of the whole
-        ("full"), made on first use (as a trainer makes it once); ``blocked``: each
-        matrix stored as one block of columns per worker (``shard_blocks``)."""
-        publisher = self._publishers.get((what, blocked))
+        ("full"), made on first use (as a trainer makes it once). ``slots``: "copy"
+        (depth 2, each version a snapshot), "blocks" (the same, each matrix stored as
+        one block of columns per worker: ``shard_blocks``) or "live" (depth 0: no
+        copy, the version is the tensors themselves; ``prepare`` waits until no
+        handle holds them before it writes them)."""
+        publisher = self._publishers.get((what, slots))
         if publisher is None:
-            blocks = self._column_blocks if blocked else None
-            if what == "rows":
-                source, placement = self.rows, self._placement
-            else:
-                source, placement = self.full, None
-            publisher = rd.WeightPublisher(source, placement=placement, shard_blocks=blocks)
-            self._publishers[(what, blocked)] = publisher
+            rows = what == "rows"
+            publisher = rd.WeightPublisher(
+                self.rows if rows else self.full,
+                placement=self._placement if rows else None,
+                depth=0 if slots == "live" else 2,
+                shard_blocks=self._column_blocks if slots == "blocks" else None,
+            )
+            self._publishers[(what, slots)] = publisher
         return publisher
 
     def _column_blocks(self, name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
@@ -100,33 +104,35 @@ class _TrainerRank:
         return None if spec is None else (shape, 0, spec[1])
 
     def prepare(self, seed: int) -> None:
-        """The trainer's step: once no object holds its rows (the gather's reads),
-        write them in place, element i of tensor k's global tensor holding
-        i + part_seed(seed, k)."""
+        """The trainer's step: once no object holds its rows or its whole (the
+        gather's reads, a depth-0 version), write its rows in place, element i of
+        tensor k's global tensor holding i + part_seed(seed, k)."""
+        for tensor in self.full.values():
+            rd.wait_tensor_freed(tensor, timeout=FREE_TIMEOUT_S)
         for k, (name, local) in enumerate(self.rows.items()):
             rd.wait_tensor_freed(local, timeout=FREE_TIMEOUT_S)
             spec = rows_of(name, self._layout[name], self.rank, self.world)
             first = 0 if spec is None else spec[1] * (local.numel() // max(1, local.shape[0]))
             fill_pattern(local, part_seed(seed, k) + first)
 
-    def publish(self, version: int, blocked: bool) -> Any:
+    def publish(self, version: int, slots: str) -> Any:
         """Resharding: this rank's rows, where they lie (``placement=``)."""
-        return self._publisher("rows", blocked).publish(version, timeout=TRANSFER_TIMEOUT_S)
+        return self._publisher("rows", slots).publish(version, timeout=TRANSFER_TIMEOUT_S)
 
     @rd.method
     def rows_state(self) -> dict[str, torch.Tensor]:
         """Gather then publish: this rank's rows, for rank 0 to read."""
         return self.rows
 
-    def gather_publish(self, refs: list[Any], version: int, blocked: bool) -> Any:
+    def gather_publish(self, refs: list[Any], version: int, slots: str) -> Any:
         """Rank 0: its own rows copied into the whole, every other rank's read
         straight into its place there (``rd.get(into=)``); then the whole published."""
         self._own_rows_into_full()
         into = [self._row_views(rank) for rank in range(1, self.world)]
         rd.get(refs, into=into, timeout=TRANSFER_TIMEOUT_S)
-        return self._publisher("full", blocked).publish(version, timeout=TRANSFER_TIMEOUT_S)
+        return self._publisher("full", slots).publish(version, timeout=TRANSFER_TIMEOUT_S)
 
-    def allgather_publish(self, version: int, blocked: bool) -> Any:
+    def allgather_publish(self, version: int, slots: str) -> Any:
         """Every rank: ``dist.all_gather_single`` of each sharded tensor into the whole
         (one collective per tensor, as ``DTensor.full_tensor()`` gathers a state
         dict); rank 0 then publishes the whole, the others return None."""
@@ -137,7 +143,7 @@ class _TrainerRank:
                 dist.all_gather_single(self.full[name], local)
         if self.rank:
             return None
-        return self._publisher("full", blocked).publish(version, timeout=TRANSFER_TIMEOUT_S)
+        return self._publisher("full", slots).publish(version, timeout=TRANSFER_TIMEOUT_S)
 
     def _own_rows_into_full(self) -> None:
         views = self._row_views(self.rank)
