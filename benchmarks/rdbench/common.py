@@ -49,7 +49,8 @@ THP_ENV = {THP_ENV_VAR: "1"}
 # put malloc's own memory (a model's small tensors) on huge pages, as
 # docs/weight-sync.md#many-tensors suggests for thousands of tensors.
 TUNED = "native helper, malloc huge pages"
-TUNED_ENV = {**THP_ENV, "RAYDIRECT_NATIVE": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+MALLOC_HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+TUNED_ENV = {**THP_ENV, "RAYDIRECT_NATIVE": "1", **MALLOC_HUGE_PAGES}
 
 # System names shared by the workloads, the table and the ratios.
 OBJECT_STORE = "ray object store"

@@ -33,7 +33,17 @@ stretch of each slot instead of a short run per row), and ``depth=0`` (no copy:
 the handle refers to the tensors themselves, which the trainer writes only once
 no handle holds them). All-gather then publish runs with ``depth=2``.
 
-Per step, untimed: every rank writes its rows in place (a new seed). Timed, from
+Ranks and workers start with malloc's memory on huge pages
+(``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, beside ``THP_MEM_ALLOC_ENABLE=1``),
+as docs/weight-sync.md#small-tensors-on-huge-pages advises for a trainer's
+small tensors: most of a rank's shards here are 0.1-1.4 MiB, below
+torch's huge-page allocations, and the kernel pins each 4 KiB page of a
+cross-memory read (measured at 2 -> 2 without it: a depth=0 load 154 ms
+instead of 82, every row slower).
+
+The rows of a point run interleaved, one step of each in turn, so that all
+meet the same load on a shared machine (``_interleaved``). Per step, untimed:
+every rank writes its rows in place (a new seed). Timed, from
 the driver: from the first publish (or gather) call until every worker's load
 has returned. Then, untimed, each worker's tensors are checked (sampled) and its
 bytes received in the load (``rd.local_stats()``) compared with its slice. GB/s
@@ -46,6 +56,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -56,7 +67,9 @@ from rdbench.common import (
     ELEMENT_BYTES,
     GROUP_FLOORS,
     GROUP_RAYDIRECT,
+    MALLOC_HUGE_PAGES,
     SETUP_TIMEOUT_S,
+    THP_ENV,
     TRANSFER_TIMEOUT_S,
     Layout,
     Row,
@@ -65,7 +78,6 @@ from rdbench.common import (
     format_size,
     layout_bytes,
     log,
-    run_row,
     state_dict_layout,
 )
 from rdbench.fleet import Context, skip
@@ -109,6 +121,8 @@ def reshard(ctx: Context) -> list[Row]:
     log(f"w7: {len(layout)} tensors, {format_size(cfg.state_bytes)}, points {points}")
     for n in points:
         delivered = sum(shard_bytes(layout, w, n, columns_of) for w in range(n))
+        steps: list[_Timed] = []
+        actors: list[Any] = []
         if cfg.wants(GROUP_RAYDIRECT):
             family = [Row(7, s, _param(n), n, delivered) for s in _SYSTEMS]
             rows += family
@@ -117,10 +131,61 @@ def reshard(ctx: Context) -> list[Row]:
                 for row in family:
                     skip(row, missing)
             else:
-                _run_point(ctx, family, layout, n, versions)
+                actors, timed = _start_point(family, layout, n, versions)
+                steps += timed
         if cfg.wants(GROUP_FLOORS):
-            rows.append(_floor(ctx, layout, n, delivered))
+            steps.append(_floor(layout, n, delivered))
+            rows.append(steps[-1].row)
+        _interleaved(steps, cfg.sync_steps, ctx.seed_iter)
+        _stop(actors)
     return rows
+
+
+@dataclass
+class _Timed:
+    """A row, its timed step, and each step's bytes received per worker (raydirect rows)."""
+
+    row: Row
+    step: Callable[[int], float]
+    received: list[list[int]] = field(default_factory=list)
+    slices: list[int] = field(default_factory=list)
+
+
+def _interleaved(steps: list[_Timed], repeats: int, seed_iter: Iterator[int]) -> None:
+    """Each row's cold step, then ``repeats`` rounds of one step of every row in turn.
+
+    This machine is shared and its load drifts over minutes: run one after another,
+    rows meet different loads (the shard_blocks pair at 4 -> 4 measured 0.98x in
+    one run and 2.83x in the next), while rows interleaved step by step meet the
+    same load, so the ratios between them hold. A failure ends its row only."""
+    if not steps:
+        return
+    log(f"w7 @ {steps[0].row.param}: {len(steps)} rows interleaved, 1 cold + {repeats} steps each")
+    for i in range(repeats + 1):
+        for timed in steps:
+            row = timed.row
+            if row.error is not None:
+                continue
+            try:
+                seconds = timed.step(next(seed_iter))
+            except Exception as exc:  # report the row as n/a and go on with the others
+                row.error = describe_error(exc)
+                log(f"w7 {row.system} @ {row.param}: FAILED: {row.error}")
+                continue
+            if i == 0:
+                row.cold_s = seconds
+            else:
+                row.times_s.append(seconds)
+    for timed in steps:
+        row = timed.row
+        if timed.received and row.error is None:
+            row.measured[WORKER_BYTES] = max(
+                got / want
+                for one in timed.received
+                for got, want in zip(one, timed.slices, strict=True)
+            )
+        if row.error is None:
+            log(f"w7 {row.system} @ {row.param}: median {row.median():.2f} {row.unit}")
 
 
 def _memory_missing(layout: Layout, n: int) -> str | None:
@@ -139,13 +204,15 @@ def _memory_missing(layout: Layout, n: int) -> str | None:
     return None
 
 
-def _run_point(
-    ctx: Context, family: list[Row], layout: Layout, n: int, versions: Iterator[int]
-) -> None:
-    """Start N ranks in one gloo world and N workers, run every row, stop them."""
+def _start_point(
+    family: list[Row], layout: Layout, n: int, versions: Iterator[int]
+) -> tuple[list[Any], list[_Timed]]:
+    """N ranks in one gloo world and N workers, started and allocated; each row's
+    step. On a failure the rows say why and there are no steps."""
     log(f"w7: starting {n} trainer ranks (one gloo world) and {n} workers")
-    ranks = [TrainerRank.remote(r, n) for r in range(n)]
-    workers = [Worker.remote(w, n) for w in range(n)]
+    env = {"env_vars": {**THP_ENV, **MALLOC_HUGE_PAGES}}  # see the module docstring
+    ranks = [TrainerRank.options(runtime_env=env).remote(r, n) for r in range(n)]
+    workers = [Worker.options(runtime_env=env).remote(w, n) for w in range(n)]
     try:
         port = ray.get(ranks[0].open_store.remote(), timeout=SETUP_TIMEOUT_S)
         ray.get([r.join.remote(port) for r in ranks], timeout=SETUP_TIMEOUT_S)
@@ -156,17 +223,13 @@ def _run_point(
         log(reason)
         for row in family:
             row.error = reason
-        _stop([*ranks, *workers])
-        return
+        return [*ranks, *workers], []
+    timed = []
     for row in family:
         received: list[list[int]] = []
         step = _step(row.system, ranks, workers, slices, versions, received)
-        run_row(row, ctx.config.sync_steps, step, ctx.seed_iter)
-        if received:
-            row.measured[WORKER_BYTES] = max(
-                got / want for one in received for got, want in zip(one, slices, strict=True)
-            )
-    _stop([*ranks, *workers])
+        timed.append(_Timed(row, step, received, slices))
+    return [*ranks, *workers], timed
 
 
 def _stop(actors: list[Any]) -> None:
@@ -215,7 +278,7 @@ def _step(
     return step
 
 
-def _floor(ctx: Context, layout: Layout, n: int, delivered: int) -> Row:
+def _floor(layout: Layout, n: int, delivered: int) -> _Timed:
     """One copy of each of the N workers' slices from the whole model, one after
     another, in the driver, on one thread (as in a Ray worker)."""
     row = Row(7, FLOOR, _param(n), n, delivered)
@@ -227,25 +290,25 @@ def _floor(ctx: Context, layout: Layout, n: int, delivered: int) -> Row:
             view = source[name] if spec is None else source[name][:, spec[1] : spec[2]]
             target = torch.zeros(sharded_shape(name, shape, w, n, columns_of), dtype=DTYPE)
             pairs.append((target, view))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
+    if sum(t.numel() for t, _ in pairs) * ELEMENT_BYTES != delivered:
+        raise ValueError("the floor would copy other bytes than the workers' slices")
 
     def copy(seed: int) -> float:
         fill_layout(source, seed)
-        start = time.perf_counter()
-        for target, view in pairs:
-            target.copy_(view)
-        seconds = time.perf_counter() - start
-        if sum(t.numel() for t, _ in pairs) * ELEMENT_BYTES != delivered:
-            raise ValueError("the floor copied other bytes than the workers' slices")
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            start = time.perf_counter()
+            for target, view in pairs:
+                target.copy_(view)
+            seconds = time.perf_counter() - start
+        finally:
+            torch.set_num_threads(threads)
         if not all(torch.equal(t, v) for t, v in pairs[:: max(1, len(pairs) // 16)]):
             raise ValueError("the floor's copy differs")
         return seconds
 
-    try:
-        return run_row(row, ctx.config.sync_steps, copy, ctx.seed_iter)
-    finally:
-        torch.set_num_threads(threads)
+    return _Timed(row, copy)
 
 
 # ---------------------------------------------------------------- targets
