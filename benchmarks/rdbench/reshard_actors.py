@@ -43,7 +43,7 @@ class _TrainerRank:
         self.rank, self.world = rank, world
         self.rows: dict[str, torch.Tensor] = {}
         self.full: dict[str, torch.Tensor] = {}
-        self._publishers: dict[tuple[str, bool], Any] = {}
+        self._publishers: dict[tuple[str, str], Any] = {}
 
     def open_store(self) -> int:
         # Port 0: the kernel picks a free port, so runs beside each other never collide.
@@ -64,8 +64,8 @@ class _TrainerRank:
         )
 
     def allocate(self, layout: Layout) -> int:
-        """This rank's rows of every tensor, and a whole copy of the model; the
-        publishers are made here, once, as a trainer makes them."""
+        """This rank's rows of every tensor, and a whole copy of the model (the
+        all-gather's output; rank 0's gather buffer), every page touched."""
         self.release()
         self._layout = layout
         for name, shape in layout.items():
@@ -121,8 +121,9 @@ class _TrainerRank:
 
     @rd.method
     def rows_state(self) -> dict[str, torch.Tensor]:
-        """Gather then publish: this rank's rows, for rank 0 to read."""
-        return self.rows
+        """Gather then publish: this rank's rows, for rank 0 to read (a tensor every
+        rank holds whole, rank 0 has already)."""
+        return {n: t for n, t in self.rows.items() if t.shape != self.full[n].shape}
 
     def gather_publish(self, refs: list[Any], version: int, slots: str) -> Any:
         """Rank 0: its own rows copied into the whole, every other rank's read
@@ -165,11 +166,6 @@ class _TrainerRank:
     def release(self) -> None:
         self._publishers = {}
         self.rows, self.full = {}, {}
-
-    def close(self) -> None:
-        self.release()
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 TrainerRank: Any = ray.remote(num_cpus=ACTOR_NUM_CPUS)(_TrainerRank)
