@@ -1,15 +1,17 @@
-"""raydirect against Ray's object store and Ray's RDT, six workloads, one Ray session.
+"""raydirect against Ray's object store and Ray's RDT, seven workloads, one Ray session.
 
 1. actor -> actor, one tensor, 4 KiB ... 1 GiB
 2. weight sync: a 256 MiB state dict of 200 tensors to 1, 2 and 4 consumers
 3. small objects: 1,000 round trips of a 4 KiB tensor (µs per round trip)
 4. 8 refs from 4 producers read with one call (rd.get vs ray.get)
 5. the driver reads one 512 MiB tensor
+6. weight sync through the weight API: 256 MiB as 1, 200 and 5,000 tensors
+7. weight sync from a sharded trainer: 256 MiB, rows on N ranks to columns on N workers
 
 Every value moved is checked. Tables (markdown, with ratios) go to stdout,
 progress lines to stderr. See benchmarks/README.md for what each row means.
 
-    ./dev raydirect bench [--workloads 1,2,3,4,5,6] [--quick] [--groups ...]
+    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7] [--quick] [--groups ...]
                           [--json out.json] [--plot out.png]
 """
 
@@ -27,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # rdbench, also for Ray's workers
 
 import ray  # noqa: E402
+from rdbench.catalog import WORKLOADS  # noqa: E402
 from rdbench.common import (  # noqa: E402
     DEFAULT_GROUPS,
     GROUPS,
@@ -48,7 +51,6 @@ from rdbench.report import (  # noqa: E402
     report_json,
     write_plot,
 )
-from rdbench.workloads import WORKLOADS  # noqa: E402
 
 from raydirect.transports.shm import sweep_after_shutdown  # noqa: E402
 
@@ -78,7 +80,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return f"[{full} / {quick}]"
 
     parser.add_argument(
-        "--workloads", default="1,2,3,4,5,6", help="which workloads to run, e.g. 1,3 [all]"
+        "--workloads", default="1,2,3,4,5,6,7", help="which workloads to run, e.g. 1,3 [all]"
     )
     parser.add_argument(
         "--groups",
@@ -94,12 +96,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"timed operations after the cold one {default('repeats')}; the full run uses "
         f"{LARGE_REPEATS} where an operation moves {format_size(LARGE_REPEATS_FROM)} or more",
     )
-    parser.add_argument("--state-size", help=f"workload 2: state dict size {default('state_size')}")
-    parser.add_argument("--consumers", help=f"workload 2: consumer counts {default('consumers')}")
+    parser.add_argument(
+        "--state-size", help=f"workloads 2, 6, 7: state dict size {default('state_size')}"
+    )
+    parser.add_argument(
+        "--consumers",
+        help=f"workloads 2, 6: consumer counts; 7: N -> N for each from 2 {default('consumers')}",
+    )
     parser.add_argument(
         "--sync-steps",
         type=int,
-        help=f"workload 2: timed syncs after the cold one {default('sync_steps')}",
+        help=f"workloads 2, 6, 7: timed steps after the cold one {default('sync_steps')}",
     )
     parser.add_argument(
         "--round-trips", type=int, help=f"workload 3: round trips {default('round_trips')}"

@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 CLI = [sys.executable, "-m", "raydirect.cli"]
-WORKLOADS = {1, 2, 3, 4, 5, 6}
+WORKLOADS = {1, 2, 3, 4, 5, 6, 7}
 
 
 def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
@@ -55,6 +55,24 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
     # the primitives in tuned actors: measured, or skipped where nothing compiles
     tuned = "raydirect @rd.method dict, rd.get(into=), native helper, malloc huge pages"
     assert any(r["workload"] == 6 and r["system"] == tuned for r in rows)
+    # workload 7: 2 ranks -> 2 workers (the consumer counts from 2), every system and
+    # the floor; each worker received exactly its slice (rd.local_stats(), not timing)
+    resharding = "raydirect resharding, sub.load([h0, ..., hN-1])"
+    for system in (
+        resharding,
+        f"{resharding}, shard_blocks",
+        f"{resharding}, depth=0",
+        "gather to rank 0 with raydirect, then publish",
+        "gather to rank 0 with raydirect, then publish, depth=0",
+        "torch.distributed all-gather (gloo), then publish",
+        "floor: in-process copy of each worker's slice",
+    ):
+        assert (7, system) in systems, system
+    for row in rows:
+        if row["workload"] == 7 and not row["system"].startswith("floor"):
+            assert row["param"] == "2 ranks -> 2 workers", row
+            assert row["measured"]["worker bytes / slice"] <= 1.05, row
+    assert "| resharding / gather then publish (depth=0), at most 0.6x |" in done.stdout
     # progress lines name workload, system and point
     assert "w2 raydirect auto @ 2 consumers" in done.stderr
     # one markdown table per workload on stdout
@@ -96,3 +114,46 @@ def test_weight_sync_targets_are_judged_beside_the_floor():
     assert table[6].endswith("| 5000 tensors, 4 consumers | 0.30x | 0.50x | yes |")
     assert len(table) == 7  # nothing for the rows that did not run (RDT, primitives, 200)
     assert weight_targets([]) == ""
+
+
+def test_resharding_targets_compare_like_with_like():
+    """Workload 7's summary: resharding's median over gather-then-publish's, each
+    publisher laid out alike, and the most any worker received over its slice."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from rdbench.common import Row
+    from rdbench.reshard import (
+        BLOCKS,
+        GATHER_PUBLISH,
+        LIVE,
+        RESHARD,
+        WORKER_BYTES,
+        reshard_targets,
+    )
+
+    point = "2 ranks -> 2 workers"
+
+    def row(system: str, ms: float, worst: float | None = None) -> Row:
+        made = Row(7, system, point, 2, 1, times_s=[ms / 1e3] * 3)
+        if worst is not None:
+            made.measured[WORKER_BYTES] = worst
+        return made
+
+    rows = [
+        row(RESHARD, 70.0, 1.0),
+        row(GATHER_PUBLISH, 100.0),  # 0.70x: missed
+        row(f"{RESHARD}, {BLOCKS}", 50.0, 1.06),  # a worker read 6% more than its slice
+        row(f"{GATHER_PUBLISH}, {BLOCKS}", 100.0),  # 0.50x: met
+        row(f"{RESHARD}, {LIVE}", 40.0, 1.0),  # no gather-then-publish row: no ratio
+    ]
+    table = reshard_targets(rows).splitlines()
+    assert table[4] == (
+        f"| resharding / gather then publish (depth=2), at most 0.6x | {point} | 0.70x | - | no |"
+    )
+    assert table[5].endswith(f"(depth=2), at most 1.05x | {point} | 1.00x | - | yes |")
+    assert table[6].endswith(f"(depth=2, {BLOCKS}), at most 0.6x | {point} | 0.50x | - | yes |")
+    assert table[7].endswith(f"(depth=2, {BLOCKS}), at most 1.05x | {point} | 1.06x | - | no |")
+    assert table[8].endswith(f"({LIVE}), at most 1.05x | {point} | 1.00x | - | yes |")
+    assert len(table) == 9
+    rows[0].error = "failed"  # a row that failed judges nothing
+    assert len(reshard_targets(rows).splitlines()) == 7
+    assert reshard_targets([]) == ""

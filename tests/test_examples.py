@@ -10,6 +10,10 @@ from pathlib import Path
 import pytest
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+NEEDS_TRANSFORMERS = pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None,
+    reason="transformers is not installed (the test extra installs it)",
+)
 
 
 @pytest.mark.parametrize(
@@ -22,10 +26,12 @@ EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
         pytest.param(
             "weight_sync_model.py",
             "both ranks match the trainer at every step: True",
-            marks=pytest.mark.skipif(
-                importlib.util.find_spec("transformers") is None,
-                reason="transformers is not installed (the test extra installs it)",
-            ),
+            marks=NEEDS_TRANSFORMERS,
+        ),
+        pytest.param(
+            "weight_sync_fsdp.py",
+            "both workers match the trainer at every step, each receiving its slice: True",
+            marks=NEEDS_TRANSFORMERS,
         ),
     ],
 )

@@ -49,7 +49,8 @@ THP_ENV = {THP_ENV_VAR: "1"}
 # put malloc's own memory (a model's small tensors) on huge pages, as
 # docs/weight-sync.md#many-tensors suggests for thousands of tensors.
 TUNED = "native helper, malloc huge pages"
-TUNED_ENV = {**THP_ENV, "RAYDIRECT_NATIVE": "1", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+MALLOC_HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+TUNED_ENV = {**THP_ENV, "RAYDIRECT_NATIVE": "1", **MALLOC_HUGE_PAGES}
 
 # System names shared by the workloads, the table and the ratios.
 OBJECT_STORE = "ray object store"
@@ -263,6 +264,9 @@ class Row:
     error: str | None = None
     skipped: str | None = None
     note: str = ""
+    # What else the row measured beside times (workload 7: each worker's bytes
+    # received over the bytes of its slice), by name.
+    measured: dict[str, float] = field(default_factory=dict)
 
     def values(self) -> list[float]:
         if self.unit == "us":
@@ -296,6 +300,7 @@ class Row:
             "error": self.error,
             "skipped": self.skipped,
             "note": self.note,
+            "measured": self.measured,
         }
 
 

@@ -92,7 +92,8 @@ class Context:
             log(f"starting RDT's producer and {consumers} consumer(s)")
             self._rdt_actors = [RdtProducer.remote()]
             self._rdt_actors += [RdtConsumer.remote() for _ in range(consumers)]
-        if cfg.wants(GROUP_RAYDIRECT) or cfg.wants(GROUP_RAY) or cfg.wants(GROUP_NIXL):
+        shared = set(cfg.workloads) - {7}  # workload 7 starts its own ranks and workers
+        if shared and (cfg.wants(GROUP_RAYDIRECT) or cfg.wants(GROUP_RAY) or cfg.wants(GROUP_NIXL)):
             producers = PRODUCERS_W4 if 4 in cfg.workloads else 1
             self.producers(producers, wait=False)
             self.consumers(consumers, wait=False)

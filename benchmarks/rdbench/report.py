@@ -6,7 +6,7 @@ import os
 import platform
 import statistics
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 import torch
@@ -155,6 +155,43 @@ def render_report(
         "ratios divide medians at the same point (for µs: time / baseline time).",
     ]
     return "\n".join(parts)
+
+
+class TargetLine(NamedTuple):
+    """One target at one point: ``measured`` must be at most (or at least) ``bound``;
+    ``floor`` is the same ratio for the in-process copy, where one applies."""
+
+    what: str
+    bound: float
+    at_most: bool
+    point: str
+    measured: float | None
+    floor: float | None
+
+
+TIME_RATIOS = "Targets (ratios of median step times in this run; the floor: one in-process copy):"
+
+
+def render_targets(lines: Sequence[TargetLine], title: str = TIME_RATIOS) -> str:
+    """Markdown under a workload's table: target, point, measured, the floor's,
+    met (judged as printed); lines whose rows did not run are left out."""
+    out = [
+        title,
+        "",
+        "| target | point | measured | the floor's own | met |",
+        "|---|---|---:|---:|---|",
+    ]
+    for line in lines:
+        if line.measured is None:
+            continue
+        shown = round(line.measured, 2)
+        met = shown <= line.bound if line.at_most else shown >= line.bound
+        target = f"{line.what}, {'at most' if line.at_most else 'at least'} {line.bound:g}x"
+        floor = "-" if line.floor is None else f"{line.floor:.2f}x"
+        out.append(
+            f"| {target} | {line.point} | {shown:.2f}x | {floor} | {'yes' if met else 'no'} |"
+        )
+    return "\n".join(out) if len(out) > 4 else ""
 
 
 def report_json(

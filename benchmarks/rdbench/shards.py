@@ -1,4 +1,4 @@
-"""Tensor-parallel shards of the benchmark's Llama-like state dict (workload 6).
+"""Tensor-parallel shards of the benchmark's Llama-like state dict (workloads 6, 7).
 
 Column-parallel weights (embedding, q/k/v, gate/up) are split by rows, dim 0;
 row-parallel ones (o, down) by columns, dim 1 (a strided slice); norms are
@@ -8,6 +8,7 @@ replicated, as is any tensor whose split dimension does not divide evenly.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -21,6 +22,10 @@ _SAMPLES = 8  # elements of each checked tensor compared with the pattern
 _CHECKED_TENSORS = 64
 
 
+# (name, global shape, rank, world) -> None (whole) or (dim, start, stop) of rank's slice
+Split = Callable[[str, tuple[int, ...], int, int], "tuple[int, int, int] | None"]
+
+
 def shard_of(
     name: str, shape: tuple[int, ...], rank: int, world: int
 ) -> tuple[int, int, int] | None:
@@ -31,6 +36,29 @@ def shard_of(
         dim = 1
     else:
         return None
+    if shape[dim] % world:
+        return None
+    part = shape[dim] // world
+    return (dim, rank * part, (rank + 1) * part)
+
+
+def rows_of(
+    name: str, shape: tuple[int, ...], rank: int, world: int
+) -> tuple[int, int, int] | None:
+    """Workload 7's trainer ranks, as FSDP2 places them: rank ``rank``'s rows of
+    every tensor (``Shard(0)``), or the whole tensor where they do not divide."""
+    return _even(shape, 0, rank, world)
+
+
+def columns_of(
+    name: str, shape: tuple[int, ...], rank: int, world: int
+) -> tuple[int, int, int] | None:
+    """Workload 7's workers: rank ``rank``'s columns of every matrix (a strided
+    slice of each row); vectors (norms) whole, as tensor parallelism keeps them."""
+    return _even(shape, 1, rank, world) if len(shape) > 1 else None
+
+
+def _even(shape: tuple[int, ...], dim: int, rank: int, world: int) -> tuple[int, int, int] | None:
     if shape[dim] % world:
         return None
     part = shape[dim] // world
@@ -51,8 +79,10 @@ class RankBlocks:
         return (spec[0], self.world) if spec is not None else None
 
 
-def sharded_shape(name: str, shape: tuple[int, ...], rank: int, world: int) -> tuple[int, ...]:
-    spec = shard_of(name, shape, rank, world)
+def sharded_shape(
+    name: str, shape: tuple[int, ...], rank: int, world: int, split: Split = shard_of
+) -> tuple[int, ...]:
+    spec = split(name, shape, rank, world)
     if spec is None:
         return shape
     dim, start, stop = spec
@@ -60,11 +90,17 @@ def sharded_shape(name: str, shape: tuple[int, ...], rank: int, world: int) -> t
 
 
 def check_shards(
-    targets: dict[str, torch.Tensor], layout: Layout, seed: int, rank: int, world: int
+    targets: dict[str, torch.Tensor],
+    layout: Layout,
+    seed: int,
+    rank: int,
+    world: int,
+    split: Split = shard_of,
 ) -> int:
     """Compare sampled elements of ``_CHECKED_TENSORS`` targets (the first, the
-    last and others picked by ``seed``) with the pattern of the full tensor
-    (element i of tensor k holds i + part_seed(seed, k)); return the bytes held."""
+    last and others picked by ``seed``), each rank ``rank``'s slice as ``split``
+    says, with the pattern of the full tensor (element i of tensor k holds
+    i + part_seed(seed, k)); return the bytes held."""
     names = list(layout)
     gen = torch.Generator().manual_seed(seed)
     picked = {
@@ -73,9 +109,9 @@ def check_shards(
         *torch.randint(0, len(names), (_CHECKED_TENSORS,), generator=gen).tolist(),
     }
     for k in sorted(picked):
-        _check_one(
-            targets[names[k]], names[k], layout[names[k]], part_seed(seed, k), rank, world, gen
-        )
+        name = names[k]
+        spec = split(name, layout[name], rank, world) if world > 1 else None
+        _check_one(targets[name], name, layout[name], part_seed(seed, k), spec, gen)
     return sum(t.numel() for t in targets.values()) * ELEMENT_BYTES
 
 
@@ -84,11 +120,9 @@ def _check_one(
     name: str,
     shape: tuple[int, ...],
     seed: int,
-    rank: int,
-    world: int,
+    spec: tuple[int, int, int] | None,
     gen: torch.Generator,
 ) -> None:
-    spec = shard_of(name, shape, rank, world) if world > 1 else None
     n = target.numel()
     picks = torch.cat([torch.tensor([0, n - 1]), torch.randint(0, n, (_SAMPLES,), generator=gen)])
     index = list(torch.unravel_index(picks, tuple(target.shape)))
@@ -98,10 +132,9 @@ def _check_one(
     for dim, size in enumerate(shape):
         flat = flat * size + index[dim]
     if not torch.equal(target.reshape(-1)[picks], (flat + seed).to(DTYPE)):
-        raise ValueError(f"{name} (rank {rank} of {world}): wrong contents for seed {seed}")
+        raise ValueError(f"{name} (slice {spec}): wrong contents for seed {seed}")
 
 
-def shard_bytes(layout: Layout, rank: int, world: int) -> int:
-    return (
-        sum(math.prod(sharded_shape(n, s, rank, world)) for n, s in layout.items()) * ELEMENT_BYTES
-    )
+def shard_bytes(layout: Layout, rank: int, world: int, split: Split = shard_of) -> int:
+    shapes = (sharded_shape(n, s, rank, world, split) for n, s in layout.items())
+    return sum(math.prod(shape) for shape in shapes) * ELEMENT_BYTES

@@ -11,7 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import ray
 import torch
@@ -38,6 +38,7 @@ from rdbench.common import (
     state_dict_layout,
 )
 from rdbench.fleet import Context, allocate, rdt_ready, tuned_ready
+from rdbench.report import TargetLine, render_targets
 from rdbench.shards import shard_bytes, sharded_shape
 
 LAYERS = {200: 22, 5000: 555}  # tensors -> decoder layers (9 tensors each, plus 2)
@@ -249,7 +250,7 @@ def weight_targets(rows: Sequence[Row]) -> str:
         for r in rows
         if r.times_s and r.error is None
     }
-    lines: list[_Line] = []
+    lines: list[TargetLine] = []
 
     def ratio(a: tuple[str, str], b: tuple[str, str]) -> float | None:
         return ms[a] / ms[b] if a in ms and b in ms else None
@@ -264,11 +265,11 @@ def weight_targets(rows: Sequence[Row]) -> str:
         for n in (1, WORLD):
             got = ratio((system, _param(5000, n)), (system, _param(1, n)))
             point = f"{what}, {_consumers(n)}"
-            lines.append(_Line("5,000 tensors / 1 tensor", 1.3, True, point, got, floor))
+            lines.append(TargetLine("5,000 tensors / 1 tensor", 1.3, True, point, got, floor))
     for tensors in (200, 5000):
         point = _param(tensors, WORLD)
         got = ratio((RDT_GLOO, point), (f"{WEIGHT_API}, full", point))
-        lines.append(_Line(f"{WORLD} consumers, RDT gloo / ours", 4, False, point, got, None))
+        lines.append(TargetLine(f"{WORLD} consumers, RDT gloo / ours", 4, False, point, got, None))
     for tensors in (200, 5000):
         floor = ratio(
             (f"{FLOOR_COPY}, {WORLD}-way sharded", _param(tensors, 1)),
@@ -277,38 +278,7 @@ def weight_targets(rows: Sequence[Row]) -> str:
         for n in (1, WORLD):
             point = _param(tensors, n)
             got = ratio((_SHARDED_LOADS, point), (_WHOLE_LOADS, point))
-            lines.append(_Line(f"{WORLD}-way shard / whole load", 0.35, True, point, got, floor))
-    return _render_targets(lines)
-
-
-class _Line(NamedTuple):
-    """One target at one point: ``measured`` must be at most (or at least) ``bound``."""
-
-    what: str
-    bound: float
-    at_most: bool
-    point: str
-    measured: float | None
-    floor: float | None
-
-
-def _render_targets(lines: list[_Line]) -> str:
-    """Markdown: target, point, ours, the floor's, met (judged as printed); lines
-    whose rows did not run are left out."""
-    out = [
-        "Targets (ratios of median step times in this run; the floor: one in-process copy):",
-        "",
-        "| target | point | measured | the floor's own | met |",
-        "|---|---|---:|---:|---|",
-    ]
-    for line in lines:
-        if line.measured is None:
-            continue
-        shown = round(line.measured, 2)
-        met = shown <= line.bound if line.at_most else shown >= line.bound
-        target = f"{line.what}, {'at most' if line.at_most else 'at least'} {line.bound:g}x"
-        floor = "-" if line.floor is None else f"{line.floor:.2f}x"
-        out.append(
-            f"| {target} | {line.point} | {shown:.2f}x | {floor} | {'yes' if met else 'no'} |"
-        )
-    return "\n".join(out) if len(out) > 4 else ""
+            lines.append(
+                TargetLine(f"{WORLD}-way shard / whole load", 0.35, True, point, got, floor)
+            )
+    return render_targets(lines)

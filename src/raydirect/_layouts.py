@@ -306,10 +306,10 @@ class Published:
             for name in layout.names:
                 number.setdefault(name, len(number))
         claims = _Claims.of(layouts, number)
-        shapes, problems = boxes.agree(claims.tensor, claims.rank, claims.shape, len(number))
+        shapes, disagree = boxes.agree(claims.tensor, claims.rank, claims.shape, len(number))
         codes, wrong = boxes.agree(claims.tensor, claims.rank, claims.dtype, len(number), "dtype")
         for t in wrong:  # say it with the dtypes' names, not their codes
-            problems.setdefault(t, []).append(claims.dtype_disagreement(t))
+            disagree.setdefault(t, []).append(claims.dtype_disagreement(t))
         dtypes = [claims.dtype_names[c] for c in codes[:, 0].tolist()]
         itemsize = [torch.empty((), dtype=torch_dtype(d)).element_size() for d in dtypes]
         tensors = boxes.Tensors(np.asarray(itemsize, np.int64), shapes)
@@ -318,7 +318,7 @@ class Published:
         global_shapes = [
             tuple(shapes[t, claims.ndim - n :].tolist()) for t, n in enumerate(claims.ndims)
         ]
-        return cls(list(number), number, dtypes, global_shapes, devices.pop(), index, problems)
+        return cls(list(number), number, dtypes, global_shapes, devices.pop(), index, disagree)
 
 
 @dataclass

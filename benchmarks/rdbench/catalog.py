@@ -1,0 +1,74 @@
+"""Every workload of ``raydirect bench``, by number: what ``--workloads`` picks from."""
+
+from __future__ import annotations
+
+from rdbench.common import OBJECT_STORE, PLAIN_CALL, RDT_GLOO, Workload
+from rdbench.driver import to_driver
+from rdbench.reshard import GATHER_PUBLISH, reshard, reshard_targets
+from rdbench.weights import weight_api, weight_targets
+from rdbench.workloads import (
+    VIA_DRIVER,
+    actor_to_actor,
+    many_refs,
+    small_objects,
+    weight_sync,
+)
+
+WORKLOADS = {
+    w.number: w
+    for w in [
+        Workload(
+            1,
+            "actor -> actor, one tensor",
+            "size",
+            "GB/s",
+            (OBJECT_STORE, RDT_GLOO),
+            actor_to_actor,
+        ),
+        Workload(
+            2,
+            "weight sync: one state dict to N consumers",
+            "consumers",
+            "GB/s",
+            (OBJECT_STORE, RDT_GLOO),
+            weight_sync,
+        ),
+        Workload(
+            3,
+            "small objects: 4 KiB round trips",
+            "size",
+            "us",
+            (PLAIN_CALL, PLAIN_CALL + VIA_DRIVER),
+            small_objects,
+        ),
+        Workload(
+            4,
+            "8 refs from 4 producers, read with one call",
+            "refs",
+            "GB/s",
+            (OBJECT_STORE,),
+            many_refs,
+        ),
+        Workload(
+            5, "the driver reads one large tensor", "size", "GB/s", (OBJECT_STORE,), to_driver
+        ),
+        Workload(
+            6,
+            "weight sync through the weight API, 200 and 5,000 tensors",
+            "tensors, consumers",
+            "GB/s",
+            (OBJECT_STORE, RDT_GLOO),
+            weight_api,
+            weight_targets,
+        ),
+        Workload(
+            7,
+            "weight sync from a sharded trainer: rows on N ranks to columns on N workers",
+            "ranks -> workers",
+            "GB/s",
+            (GATHER_PUBLISH,),
+            reshard,
+            reshard_targets,
+        ),
+    ]
+}
