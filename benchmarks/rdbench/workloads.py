@@ -10,12 +10,6 @@ not supported by that system) is a row with ``skipped`` set and a reason.
 
 from __future__ import annotations
 
-<<<<<<< HEAD
-import functools
-import socket
-import threading
-=======
->>>>>>> fsdp
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +17,6 @@ from typing import Any
 
 import ray
 import torch
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 import raydirect as rd
 from rdbench.actors import RAYDIRECT_TRANSPORTS, RECEIVERS
@@ -67,6 +60,7 @@ from rdbench.fleet import (
     rdt_ready,
     skip,
 )
+from rdbench.wire_floors import TCP_ENCRYPTED, TCP_TLS_RECORDS, wire_floors
 
 FLOOR_TORCH_THREADS = 1  # Ray workers run torch with one thread; the floors do too
 SMALL_BYTES = 4 * KIB
@@ -159,56 +153,6 @@ def actor_to_actor(ctx: Context) -> list[Row]:
             rows += wire_floors(n, cfg.repeats(n))
     ctx.release()
     return rows
-
-
-TCP_ENCRYPTED = "raydirect tcp (encrypted, TLS)"
-TCP_TLS_RECORDS = "raydirect tcp (encrypted, TLS records in user space)"
-FLOOR_SOCKET = "floor: one TCP stream over the node address, no encryption"
-FLOOR_SEAL = "floor: AES-256-GCM encrypt, one core (1 MiB frames)"
-
-
-def wire_floors(nbytes: int, repeats: int) -> list[Row]:
-    """What the wire costs in the driver: the bytes over one plain TCP connection
-    to itself on the node's address (kernel copies in and out: what ``tcp`` in
-    clear pays per stream), and an AES-256-GCM encryption of the same bytes in
-    1 MiB frames on one core (what the encrypted stream pays on top, each side)."""
-    src = bytearray(nbytes)
-    dest = bytearray(nbytes)
-    frame = 1 << 20
-    sealed = bytearray(frame + 16)
-    aead = AESGCM(AESGCM.generate_key(bit_length=256))
-
-    def over_socket(seed: int) -> float:
-        listener = socket.create_server((ray.util.get_node_ip_address(), 0))
-        sender = threading.Thread(
-            target=lambda: listener.accept()[0].sendall(memoryview(src)), daemon=True
-        )
-        sender.start()
-        with socket.create_connection(listener.getsockname()) as conn:
-            start = time.perf_counter()
-            view = memoryview(dest)
-            while len(view):
-                view = view[conn.recv_into(view) :]
-            seconds = time.perf_counter() - start
-        sender.join()
-        listener.close()
-        return seconds
-
-    def seal(seed: int) -> float:
-        view = memoryview(src)
-        start = time.perf_counter()
-        for i, at in enumerate(range(0, nbytes, frame)):
-            piece = view[at : at + frame]
-            aead.encrypt_into(
-                i.to_bytes(12, "little"), piece, None, memoryview(sealed)[: len(piece) + 16]
-            )
-        return time.perf_counter() - start
-
-    param = format_size(nbytes)
-    return [
-        run_row(Row(1, FLOOR_SOCKET, param, nbytes, nbytes), repeats, over_socket, seeds()),
-        run_row(Row(1, FLOOR_SEAL, param, nbytes, nbytes), repeats, seal, seeds()),
-    ]
 
 
 def copy_floors(nbytes: int, repeats: int) -> list[Row]:
