@@ -1,4 +1,4 @@
-"""What each memo cache (and the optional native helper) saves on a 5,000-tensor step.
+"""What each memo cache saves on a 5,000-tensor step.
 
 The question: raydirect's many-tensor path keeps results between steps (packed
 metas, unpacked metas, a state dict's keys, strides, a weight layout's blob,
@@ -19,7 +19,7 @@ A *variant* turns one cache off in both actors: its memo is emptied before
 every step (untimed), so the step computes once what the cache keeps between
 steps (what code without the cache pays), or, marked "no memo at all", its
 function is replaced by its uncached body (losing the reuse inside one step
-too). The native helper's variant turns it *on*. Every round runs every
+too). Every round runs every
 variant's steps once, in a rotating order (A, B, C, ... then B, C, ..., A), so
 that the machine's load falls on all alike; each figure is the median over the
 rounds of the difference from the baseline step of the same round, with the
@@ -39,19 +39,17 @@ Percentages are of the baseline step's CPU time, the most stable figure of a
 step's size on a shared machine (the wall time of a step on a quiet one is
 smaller: see the table's first lines).
 
-    ./dev python benchmarks/memo_gains.py [--rounds 30] [--tensors 5000] [--native]
-        [--only SUBSTRING,...]
+    ./dev python benchmarks/memo_gains.py [--rounds 30] [--tensors 5000] [--only SUBSTRING,...]
 
-``--native`` builds the optional native helper first (``raydirect native``) and
-adds its variant. A variant whose cache no longer exists in the source is listed
-as removed.
+A variant whose cache no longer exists in the source is listed as removed (the
+script as it was before each removal, with the figures that decided it, is in
+git history: ``git log -- benchmarks/memo_gains.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import os
 import statistics
 import sys
 import time
@@ -87,7 +85,6 @@ STEPS = {
     NEW: "@rd.method dict -> rd.get()",
     WEIGHTS: "publish -> WeightSubscriber.load",
 }
-NATIVE_ENV = "RAYDIRECT_NATIVE"
 TRAINER, READER = "trainer", "reader"
 
 
@@ -157,30 +154,6 @@ class Variant:
     probes: tuple[tuple[str, Any, str], ...] = ()  # (role, owner, name)
 
 
-def _native_env(value: str) -> Callable[[Any], Undo]:
-    def patch(_actor: Any) -> Undo:
-        old = os.environ.get(NATIVE_ENV)
-        os.environ[NATIVE_ENV] = value
-
-        def undo() -> None:
-            if old is None:
-                os.environ.pop(NATIVE_ENV, None)
-            else:
-                os.environ[NATIVE_ENV] = old
-
-        return undo
-
-    return patch
-
-
-def _module_exists(name: str) -> bool:
-    try:
-        __import__(name)
-    except ImportError:
-        return False
-    return True
-
-
 def _is_lru(owner: Any, name: str) -> Callable[[], bool]:
     return lambda: hasattr(owner, name) and hasattr(_current(owner, name), "cache_clear")
 
@@ -221,19 +194,6 @@ def _clear_seen(actor: Any) -> None:
 
 PUBLISHER, LAYOUT = _weights.WeightPublisher, _weights.WeightsLayout
 BASELINE = Variant("baseline: every cache on", (INTO, NEW, WEIGHTS), lambda: True)
-NATIVE = Variant(
-    "native helper ON (RAYDIRECT_NATIVE=1)",
-    (INTO, NEW, WEIGHTS),
-    lambda: _module_exists("raydirect._native"),
-    patch={TRAINER: _native_env("1"), READER: _native_env("1")},
-    probes=(
-        (TRAINER, _producer, "split"),
-        (TRAINER, _producer, "_stored"),
-        (TRAINER, PUBLISHER, "_layout_of"),
-        (READER, _api, "describe_targets"),
-        (READER, _api, "match"),
-    ),
-)
 _LAYOUT_PROBE = ((READER, _payload, "_state_dict_layout"),)
 _STRIDES_PROBE = ((READER, _consumer, "tensors_from_arena"),)
 VARIANTS = [
@@ -497,10 +457,10 @@ def _ms(xs: list[float]) -> str:
     return f"{1e3 * statistics.median(xs):.1f} ({1e3 * q[0]:.1f}-{1e3 * q[2]:.1f})"
 
 
-def _saved(xs: list[float], base: list[float], sign: int) -> tuple[float, str]:
+def _saved(xs: list[float], base: list[float]) -> tuple[float, str]:
     """The median of the per-round differences from the baseline, and it with its
     quartiles as text, in ms."""
-    diffs = [sign * (v - b) for v, b in zip(xs, base, strict=True)]
+    diffs = [v - b for v, b in zip(xs, base, strict=True)]
     q = statistics.quantiles(diffs, n=4, method="inclusive") if len(diffs) > 1 else [diffs[0]] * 3
     mid = statistics.median(diffs)
     return mid, f"{1e3 * mid:+.2f} ({1e3 * q[0]:+.2f}..{1e3 * q[2]:+.2f})"
@@ -523,20 +483,18 @@ def report(variants: list[Variant], times: Times, removed: list[str]) -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     for variant in variants[1:]:
-        sign = -1 if variant is NATIVE else 1  # on, not off: it saves the other way
         keys = _probe_keys(variant)
         for s in variant.steps:
             base, got = times[(BASELINE.name, s)], times[(variant.name, s)]
             calls_b = [sum(t.tally.get(k, 0.0) for k in keys) for t in base]
             calls_v = [sum(t.tally.get(k, 0.0) for k in keys) for t in got]
             step_cpu = statistics.median(t.cpu for t in base)
-            c_mid, c_text = _saved(calls_v, calls_b, sign)
-            p_mid, p_text = _saved([t.cpu for t in got], [t.cpu for t in base], sign)
-            _, w_text = _saved([t.wall for t in got], [t.wall for t in base], sign)
-            with_, without = (calls_b, calls_v) if sign > 0 else (calls_v, calls_b)
+            c_mid, c_text = _saved(calls_v, calls_b)
+            p_mid, p_text = _saved([t.cpu for t in got], [t.cpu for t in base])
+            _, w_text = _saved([t.wall for t in got], [t.wall for t in base])
+            with_, without = (1e3 * statistics.median(c) for c in (calls_b, calls_v))
             print(
-                f"| {variant.name} | {s} "
-                f"| {1e3 * statistics.median(with_):.2f} -> {1e3 * statistics.median(without):.2f} "
+                f"| {variant.name} | {s} | {with_:.2f} -> {without:.2f} "
                 f"| {c_text} | {p_text} | {w_text} "
                 f"| {100 * c_mid / step_cpu:+.1f}% / {100 * p_mid / step_cpu:+.1f}% |"
             )
@@ -548,21 +506,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds after the warm-up")
     parser.add_argument("--tensors", type=int, default=5000, choices=[1, 200, 5000])
-    parser.add_argument("--native", action="store_true", help="add the native helper's variant")
     parser.add_argument("--only", default="", help="comma-separated substrings of variant names")
     args = parser.parse_args()
-    chosen = [BASELINE, *([NATIVE] if args.native else []), *VARIANTS]
+    chosen = [BASELINE, *VARIANTS]
     if args.only:
         wanted = [w.strip() for w in args.only.split(",")]
         chosen = [BASELINE, *(v for v in chosen[1:] if any(w in v.name for w in wanted))]
     variants = [v for v in chosen if v.present()]
     removed = [v.name for v in chosen if not v.present()]
     env = {"THP_MEM_ALLOC_ENABLE": "1", "PYTHONPATH": str(Path(__file__).resolve().parent)}
-    if NATIVE in variants:
-        from raydirect import _native
-
-        _native.build()  # here, once: the actors load it when the variant turns it on
-        env[NATIVE_ENV] = "0"
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
     try:
         times = run(variants, args.tensors, args.rounds)

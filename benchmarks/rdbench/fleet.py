@@ -11,7 +11,6 @@ from typing import Any
 import ray
 
 import raydirect as rd
-from raydirect import _native as native
 from rdbench.actors import Consumer, Producer, RdtConsumer, RdtProducer
 from rdbench.common import (
     GROUP_NIXL,
@@ -19,7 +18,6 @@ from rdbench.common import (
     GROUP_RAYDIRECT,
     GROUP_RDT,
     SETUP_TIMEOUT_S,
-    TUNED_ENV,
     Layout,
     Row,
     describe_error,
@@ -77,7 +75,6 @@ class Context:
     _producers: list[Any] = field(default_factory=list)
     _consumers: list[Any] = field(default_factory=list)
     _rdt_actors: list[Any] = field(default_factory=list)  # producer, then consumers
-    _tuned: list[Any] = field(default_factory=list)  # producer, then consumers
     _rdt_group: Any = None
     _rd_group: bool = False
 
@@ -113,18 +110,6 @@ class Context:
     def consumers(self, n: int, wait: bool = True) -> list[Any]:
         return self._grow(self._consumers, Consumer, n, "consumer(s)", wait)
 
-    def tuned(self, consumers: int) -> tuple[Any, list[Any]]:
-        """A producer and ``consumers`` consumers started with ``TUNED_ENV``: the
-        native helper (``tuned_ready`` builds it first, so they load it at once)
-        and malloc's memory on huge pages."""
-        if not self._tuned:
-            log(f"starting a tuned producer and {consumers} consumer(s)")
-            env = {"env_vars": TUNED_ENV}
-            self._tuned = [Producer.options(runtime_env=env).remote()]
-            self._tuned += [Consumer.options(runtime_env=env).remote() for _ in range(consumers)]
-            ray.get([a.__ray_ready__.remote() for a in self._tuned], timeout=SETUP_TIMEOUT_S)
-        return self._tuned[0], self._tuned[1 : consumers + 1]
-
     def raydirect_pair(self) -> tuple[Any, Any]:
         """Producer 0 and consumer 0, in one raydirect Gloo group (for ``gloo``)."""
         producer, consumer = self.producers(1)[0], self.consumers(1)[0]
@@ -148,7 +133,7 @@ class Context:
 
     def release(self) -> None:
         """Drop every producer's tensors (between workloads)."""
-        producers = [*self._producers, *self._rdt_actors[:1], *self._tuned[:1]]
+        producers = [*self._producers, *self._rdt_actors[:1]]
         try:
             ray.get([p.release.remote() for p in producers], timeout=SETUP_TIMEOUT_S)
         except Exception as exc:
@@ -169,7 +154,7 @@ class Context:
                 destroy_collective_group(self._rdt_group)
             except Exception as exc:  # e.g. RDT already tore it down after a failure
                 log(f"RDT: destroy_collective_group: {describe_error(exc)}")
-        for actor in [*self._producers, *self._consumers, *self._rdt_actors, *self._tuned]:
+        for actor in [*self._producers, *self._consumers, *self._rdt_actors]:
             ray.kill(actor)
 
 
@@ -179,22 +164,6 @@ def rdt_ready(ctx: Context, rows: Sequence[Row]) -> tuple[Any, list[Any]] | None
         return ctx.rdt()
     except Exception as exc:
         _fail(rows, f"RDT setup failed: {describe_error(exc)}")
-        return None
-
-
-def tuned_ready(ctx: Context, rows: Sequence[Row]) -> tuple[Any, list[Any]] | None:
-    """The tuned actors (``Context.tuned``), or None after marking ``rows`` skipped
-    (the native helper cannot be built here) or failed, with the reason."""
-    try:
-        native.build()
-    except Exception as exc:  # no compiler, no headers: a machine fact, not a failure
-        for row in rows:
-            skip(row, f"raydirect's native helper cannot be built here ({describe_error(exc)})")
-        return None
-    try:
-        return ctx.tuned(max(ctx.config.consumers))
-    except Exception as exc:
-        _fail(rows, f"the tuned actors could not start: {describe_error(exc)}")
         return None
 
 

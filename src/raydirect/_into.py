@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from raydirect import _native as native
 from raydirect._payload import Payload, join, state_dict_index, state_dict_keys
 from raydirect._tensors import (
     DTYPE_NAMES,
@@ -44,7 +43,6 @@ from raydirect._tensors import (
     TensorMetas,
     device_types,
     finish,
-    named_columns,
     torch_dtype,
 )
 
@@ -102,9 +100,9 @@ def _described(keys: tuple[str, ...], tensors: list[Any]) -> DescribedTargets | 
     columns = _target_columns(tensors)
     if columns is None:
         return None
-    shapes, dtypes, devices, addresses, sizes = columns
+    shapes, dtypes, devices, addresses = columns
     if len(set(addresses)) != len(addresses):  # empty tensors may share an address
-        sizes = sizes if sizes is not None else [t.nbytes for t in tensors]
+        sizes = [t.nbytes for t in tensors]
         nonempty = [a for a, n in zip(addresses, sizes, strict=True) if n]
         if len(set(nonempty)) != len(nonempty):
             return None  # two targets share memory: the checks name them
@@ -112,14 +110,8 @@ def _described(keys: tuple[str, ...], tensors: list[Any]) -> DescribedTargets | 
 
 
 def _target_columns(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
-    """(shapes, dtypes, devices, addresses, sizes or None) of ``tensors``, None
-    when one is not contiguous: the native helper's one loop, or C comprehensions."""
-    facts = native.facts(tensors)
-    if facts is not None:
-        if not facts.all(native.CONTIGUOUS):
-            return None
-        dtypes, devices = named_columns(facts, tensors)
-        return facts.shapes, dtypes, devices, facts.addresses.tolist(), facts.nbytes
+    """(shapes, dtypes, devices, addresses) of ``tensors``, one C comprehension
+    each, or None when one is not contiguous."""
     if not all([t.is_contiguous() for t in tensors]):
         return None
     return (
@@ -127,7 +119,6 @@ def _target_columns(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
         [DTYPE_NAMES[t.dtype] for t in tensors],
         device_types(tensors),
         [t.data_ptr() for t in tensors],
-        None,
     )
 
 

@@ -296,9 +296,6 @@ class SplitValue:
     tensors: list[Any]  # their torch views
     handles: list[Any]
     metas: TensorMetas
-    # Read with the metas by the native helper (``describe_all``), else None.
-    addresses: Any = None  # np.ndarray of data pointers, when all are contiguous
-    versions: list[int] | None = None
 
 
 # A state dict (str keys, each value its own plain tensor) is most of what
@@ -316,8 +313,8 @@ def _split_state_dict(value: Any) -> SplitValue | None:
         return None
     if not all([type(k) is str for k in value]) or len(set(map(id, tensors))) != len(tensors):
         return None  # a tensor twice (tied weights): the general path sends it once
-    described = describe_all(tensors, tensors, plain=True)
-    return SplitValue(_state_dict_skeleton(list(value)), tensors, tensors, [], *described)
+    metas = describe_all(tensors, tensors, plain=True)
+    return SplitValue(_state_dict_skeleton(list(value)), tensors, tensors, [], metas)
 
 
 _last_skeleton: tuple[list[str], bytes] = ([], b"")
@@ -343,10 +340,8 @@ def split(value: Any, only: type | None = None) -> SplitValue:
     buf = io.BytesIO()
     pickler = _Splitter(buf, only)
     pickler.dump(value)
-    described = describe_all(pickler.originals, pickler.tensors)
-    return SplitValue(
-        buf.getvalue(), pickler.originals, pickler.tensors, pickler.handles, *described
-    )
+    metas = describe_all(pickler.originals, pickler.tensors)
+    return SplitValue(buf.getvalue(), pickler.originals, pickler.tensors, pickler.handles, metas)
 
 
 def state_dict_keys(skeleton: bytes) -> tuple[str, ...] | None:

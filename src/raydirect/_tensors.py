@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from raydirect import _compression as compression
-from raydirect import _native as native
 
 # Arena slots start on cache-line boundaries so every dtype view is aligned.
 _ALIGN = 64
@@ -201,63 +200,28 @@ class TensorMetas(Sequence[TensorMeta]):
 _last_packed: tuple[TensorMetas | None, bytes] = (None, b"")
 
 
-class Described(NamedTuple):
-    """What ``describe_all`` read: the metas, and for plain torch tensors read by
-    the native helper what export needs besides, read in the same loop: each
-    tensor's address (None unless all are contiguous) and version counter."""
-
-    metas: TensorMetas
-    addresses: np.ndarray | None = None
-    versions: list[int] | None = None
-
-
 def describe_all(
     originals: list[Any], tensors: list[torch.Tensor], plain: bool = False
-) -> Described:
+) -> TensorMetas:
     """``describe`` each (original, torch view) pair; plain torch tensors in bulk
     (``plain``: the caller knows every original is one)."""
     if not plain and not all([type(o) is torch.Tensor for o in originals]):
-        return Described(
-            TensorMetas.of(describe(o, t) for o, t in zip(originals, tensors, strict=True))
-        )
-    facts = native.facts(tensors)
-    if facts is not None:
-        return _described_natively(tensors, facts)
+        return TensorMetas.of(describe(o, t) for o, t in zip(originals, tensors, strict=True))
     # One pass per attribute: an object of thousands of tensors pays C calls, not
     # a Python function call per tensor. Shapes stay torch.Size (a tuple): ``pack``
     # flattens them.
-    return Described(
-        TensorMetas(
-            [t.shape for t in tensors],
-            [DTYPE_NAMES[t.dtype] for t in tensors],
-            [t.nbytes for t in tensors],
-            device_types(tensors),
-            _grad_rest([t.requires_grad for t in tensors]),
-        )
+    grads = [t.requires_grad for t in tensors]
+    return TensorMetas(
+        [t.shape for t in tensors],
+        [DTYPE_NAMES[t.dtype] for t in tensors],
+        [t.nbytes for t in tensors],
+        device_types(tensors),
+        [(KIND_TORCH, g, False, None) for g in grads] if any(grads) else None,
     )
-
-
-def _described_natively(tensors: list[torch.Tensor], facts: native.Facts) -> Described:
-    dtypes, devices = named_columns(facts, tensors)
-    grads = (facts.flags & native.REQUIRES_GRAD).astype(bool).tolist()
-    metas = TensorMetas(facts.shapes, dtypes, facts.nbytes, devices, _grad_rest(grads))
-    addresses = facts.addresses if facts.all(native.CONTIGUOUS) else None
-    return Described(metas, addresses, facts.versions)
-
-
-def _grad_rest(grads: list[bool]) -> list[tuple[int, bool, bool, str | None]] | None:
-    """The ``rest`` column of plain torch tensors with these grad flags (None: all plain)."""
-    return [(KIND_TORCH, g, False, None) for g in grads] if any(grads) else None
 
 
 def device_types(tensors: list[torch.Tensor]) -> list[str]:
     return ["cpu" if t.is_cpu else t.device.type for t in tensors]  # .device costs more
-
-
-def named_columns(facts: native.Facts, tensors: list[torch.Tensor]) -> tuple[list[str], list[str]]:
-    """The dtype names and device types of tensors the native helper read."""
-    dtypes = list(map(DTYPE_NAMES.__getitem__, facts.dtypes))
-    return dtypes, ["cpu"] * len(tensors) if facts.all(native.CPU) else device_types(tensors)
 
 
 def describe(obj: Any, tensor: torch.Tensor) -> TensorMeta:

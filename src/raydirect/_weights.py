@@ -41,7 +41,6 @@ import ray
 import torch
 
 from raydirect import _compression as compression
-from raydirect import _native as native
 from raydirect import _ray
 from raydirect._collector import collector_paused
 from raydirect._producer import export
@@ -329,10 +328,6 @@ class WeightPublisher:
 
 
 def _shapes_and_dtypes(names: tuple[str, ...], tensors: list[torch.Tensor]) -> _Seen:
-    plain = all([type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors])
-    facts = native.facts(tensors) if plain else None
-    if facts is not None:
-        return (names, facts.shapes, facts.dtypes)
     return (names, [t.shape for t in tensors], [t.dtype for t in tensors])
 
 
