@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raydirect._payload import Payload, join, state_dict_index, state_dict_keys
+from raydirect._payload import Payload, join, state_dict_keys
 from raydirect._tensors import (
     DTYPE_NAMES,
     KIND_TORCH,
@@ -140,16 +140,17 @@ def _fits(into: DescribedTargets, metas: TensorMetas, order: Sequence[int]) -> b
 def _match_described(payload: Payload, into: DescribedTargets) -> MatchedTargets | None:
     """``into`` matched by key, when every target fits; None sends the caller
     through the checks one by one (which name what does not fit)."""
-    keys, index = state_dict_keys(payload.skeleton), state_dict_index(payload.skeleton)
-    if keys is None or index is None:
+    keys = state_dict_keys(payload.skeleton)
+    if keys is None:
         return None
     order: Sequence[int]
     if into.keys == keys:  # the same dict as the producer's, in its order
         order = range(len(keys))
-    elif into.keys and all([k in index for k in into.keys]):
-        order = [index[k] for k in into.keys]
     else:
-        return None
+        index = _index(keys)
+        if not into.keys or not all([k in index for k in into.keys]):
+            return None
+        order = [index[k] for k in into.keys]
     if not _fits(into, payload.metas, order):
         return None
     found = MatchedTargets(zip(order, into.tensors, strict=True))
@@ -180,9 +181,15 @@ def match(payload: Payload, into: Any, described: DescribedTargets | None = None
     return found
 
 
+def _index(keys: tuple[str, ...]) -> dict[str, int]:
+    """Each key's position in a state dict's keys."""
+    return dict(zip(keys, range(len(keys)), strict=True))
+
+
 def _match_structure(payload: Payload, into: Any) -> dict[int, Any]:
-    index = state_dict_index(payload.skeleton)
-    if index is not None and isinstance(into, Mapping) and into.keys() <= index.keys():
+    keys = state_dict_keys(payload.skeleton)
+    index = _index(keys) if keys is not None and isinstance(into, Mapping) else None
+    if index is not None and into.keys() <= index.keys():
         return {index[k]: t for k, t in into.items() if t is not None}  # a state dict: in bulk
     count = len(payload.metas)
     slots = [_Slot(i) for i in range(count)]
