@@ -11,13 +11,10 @@ one list in the request.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-_MEMO_KEPT = 4  # a subscriber alternates between its publisher's depth slots
 
 
 @dataclass
@@ -34,17 +31,6 @@ class Ranges:
     stride: np.ndarray
     dests: Sequence[torch.Tensor]
     whole: bool = False  # one row per tensor of the object, in order, every byte
-    _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
-        """``make()``, kept under ``key`` while these ranges live (a transport's plan
-        for them, given the producer's addresses); a few at a time."""
-        value = self._memo.get(key)
-        if value is None:
-            if len(self._memo) >= _MEMO_KEPT:
-                self._memo.clear()
-            value = self._memo[key] = make()
-        return value
 
     @classmethod
     def of_whole(cls, targets: Sequence[torch.Tensor]) -> Ranges:

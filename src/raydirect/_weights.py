@@ -32,7 +32,6 @@ import pickle
 import secrets
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -96,39 +95,20 @@ class WeightsLayout:
     def block_stride(self, i: int) -> int:
         return self.block_strides[i]
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes, bytes]]:
-        # Every handle carries its layout; a process that has seen this one (a
-        # subscriber, every step) takes it from its cache instead of rebuilding
-        # thousands of tuples (2 ms for 5,000 tensors): the fields travel as one blob,
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # Every handle carries its layout: the fields travel as one blob,
         # compressed (5,000 names and shapes: 300 KB raw, 20 KB packed), so a handle
         # stays under Ray's inline limit instead of going through its object store.
-        blob = self.__dict__.get("_blob")
-        if blob is None:
-            fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-            blob = compression.pack(pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL))
-            object.__setattr__(self, "_blob", blob)
-        return (_layout_from, (self.token, blob))
+        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        return (_layout_from, (compression.pack(pickle.dumps(fields, pickle.HIGHEST_PROTOCOL)),))
 
     @property
     def nbytes(self) -> int:
         return sum(_nbytes(s, d) for s, d in zip(self.shapes, self.dtypes, strict=True))
 
 
-_LAYOUTS_KEPT = 16
-_layouts: OrderedDict[bytes, WeightsLayout] = OrderedDict()
-_layouts_lock = threading.Lock()
-
-
-def _layout_from(token: bytes, blob: bytes) -> WeightsLayout:
-    with _layouts_lock:
-        layout = _layouts.get(token)
-    if layout is None:
-        layout = WeightsLayout(*pickle.loads(compression.unpack(blob)))
-        with _layouts_lock:
-            _layouts[token] = layout
-            if len(_layouts) > _LAYOUTS_KEPT:
-                _layouts.popitem(last=False)
-    return layout
+def _layout_from(blob: bytes) -> WeightsLayout:
+    return WeightsLayout(*pickle.loads(compression.unpack(blob)))
 
 
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
@@ -159,8 +139,6 @@ class WeightsHandle:
 
 
 Blocks = Callable[[str, tuple[int, ...]], "tuple[int, int] | None"]
-# Names, shapes and dtypes of a source as a publish saw them.
-_Seen = tuple[tuple[str, ...], list[tuple[int, ...]], list[torch.dtype]]
 
 
 @dataclass
@@ -208,7 +186,6 @@ class WeightPublisher:
         self._transport = tensor_transport
         self._blocks = shard_blocks
         self._layout: WeightsLayout | None = None
-        self._seen: _Seen | None = None
         self._slots: list[_Slot] = []
         self._last: int | None = None
         self._lock = threading.Lock()
@@ -249,12 +226,6 @@ class WeightPublisher:
 
     def _layout_of(self, state: dict[str, torch.Tensor]) -> WeightsLayout:
         names = tuple(state)
-        # What the source looked like at the last publish, compared as torch's own
-        # objects: 5,000 tensors cost a millisecond, not the eight of building tuples.
-        seen = _shapes_and_dtypes(names, list(state.values()))
-        if self._layout is not None and seen == self._seen:
-            return self._layout
-        self._seen = seen
         shapes = tuple(tuple(t.shape) for t in state.values())
         dtypes = tuple(self._published_dtype(t) for t in state.values())
         old = self._layout
@@ -325,10 +296,6 @@ class WeightPublisher:
                 "handles of earlier versions are alive somewhere (a consumer, a pending task, "
                 "a variable). Drop them once loaded, raise depth, or pass a larger timeout"
             ) from None
-
-
-def _shapes_and_dtypes(names: tuple[str, ...], tensors: list[torch.Tensor]) -> _Seen:
-    return (names, [t.shape for t in tensors], [t.dtype for t in tensors])
 
 
 def _slot_offsets(
