@@ -54,10 +54,16 @@ class Ranges:
 
     @classmethod
     def of_rows(cls, rows: Sequence[Sequence[int]], dests: list[torch.Tensor]) -> Ranges:
-        """From ``(index, offset, length, count, stride)`` rows."""
+        """From ``(index, offset, length, count, stride)`` rows. Where each row
+        lands is read here, once: a weight subscriber reads into the same ranges
+        (its plan) every step."""
         table = np.array(rows, dtype=np.int64).reshape(-1, 5)
         index, offset, length, count, stride = (table[:, i].copy() for i in range(5))
-        return cls(index, offset, length, count, stride, dests)
+        n = len(dests)
+        addresses = np.fromiter((d.data_ptr() for d in dests), dtype=np.int64, count=n)
+        lengths = np.fromiter((d.numel() for d in dests), dtype=np.int64, count=n)
+        landing = ByteViews(addresses, lengths, dests.__getitem__)
+        return cls(index, offset, length, count, stride, landing)
 
     @property
     def nbytes(self) -> int:
