@@ -40,6 +40,12 @@ step's size on a shared machine (the wall time of a step on a quiet one is
 smaller: see the table's first lines).
 
     ./dev python benchmarks/memo_gains.py [--rounds 30] [--tensors 5000] [--only SUBSTRING,...]
+        [--against OTHER_CHECKOUT/src]
+
+``--against`` adds the same steps run by a second trainer and reader that import
+raydirect from another source tree (``git archive COMMIT src | tar -x -C DIR``,
+then ``--against DIR/src``), interleaved with the rest: what every change since
+that commit saves or costs, in one run.
 
 A variant whose cache no longer exists in the source is listed as removed (the
 script as it was before each removal, with the figures that decided it, is in
@@ -71,6 +77,7 @@ from raydirect import (  # noqa: E402
     _payload,
     _producer,
     _ranges,
+    _subscriber,
     _tensors,
     _weights,
 )
@@ -86,6 +93,7 @@ STEPS = {
     WEIGHTS: "publish -> WeightSubscriber.load",
 }
 TRAINER, READER = "trainer", "reader"
+ENV = {"THP_MEM_ALLOC_ENABLE": "1"}  # huge pages for large tensors, as in raydirect bench
 
 
 def layout(tensors: int) -> dict[str, tuple[int, ...]]:
@@ -151,7 +159,9 @@ class Variant:
     present: Callable[[], bool]
     patch: dict[str, Callable[[Any], Undo]] | None = None
     clear: dict[str, Callable[[Any], None]] | None = None
-    probes: tuple[tuple[str, Any, str], ...] = ()  # (role, owner, name)
+    # (role, owner, name), or (role, owner, name, steps): counted in those steps only
+    probes: tuple[tuple[Any, ...], ...] = ()
+    source: str | None = None  # run by actors importing raydirect from this directory
 
 
 def _is_lru(owner: Any, name: str) -> Callable[[], bool]:
@@ -299,8 +309,26 @@ VARIANTS = [
 ]
 
 
-def _probe_keys(variant: Variant) -> list[str]:
-    return [f"{getattr(o, '__name__', o)}.{n}" for _, o, n in variant.probes]
+def _probe_keys(variant: Variant, step: str) -> list[str]:
+    return [
+        f"{getattr(probe[1], '__name__', probe[1])}.{probe[2]}"
+        for probe in variant.probes
+        if len(probe) < 4 or step in probe[3]
+    ]
+
+
+# What --against compares besides CPU: the thread CPU time of raydirect's
+# outermost calls in a step, in names both sources have. Ray serializes a
+# method's return value after the method (a Payload's and a layout's pickling).
+_OUTERMOST = (
+    (TRAINER, _api, "export", (INTO, NEW)),  # what @rd.method calls
+    (TRAINER, _payload.Payload, "__reduce__", (INTO, NEW)),
+    (TRAINER, PUBLISHER, "publish", (WEIGHTS,)),
+    (TRAINER, LAYOUT, "__reduce__", (WEIGHTS,)),
+    (READER, rd, "get", (INTO, NEW)),
+    (READER, _weights, "_layout_from", (WEIGHTS,)),  # the handle, as the task's argument
+    (READER, _subscriber.WeightSubscriber, "load", (WEIGHTS,)),
+)
 
 
 # ------------------------------------------------------------------- the actors
@@ -317,7 +345,9 @@ class _Role:
         self.tally: dict[str, float] = {}
         seen = set()
         for variant in variants:
-            for role, owner, name in variant.probes:
+            for role, owner, name, *_ in variant.probes:
+                if not hasattr(owner, name):  # another source without this call
+                    continue
                 if role == self.role and (id(owner), name) not in seen:
                     seen.add((id(owner), name))
                     _probe(owner, name, self.tally)
@@ -340,6 +370,10 @@ class _Role:
     def measured(self) -> tuple[float, dict[str, float]]:
         """After a step: this process's CPU time (every thread), the probes' tally."""
         return time.process_time(), dict(self.tally)
+
+    def source(self) -> str:
+        """Where this process imported raydirect from."""
+        return str(Path(rd.__file__).resolve().parents[1])
 
 
 @ray.remote(num_cpus=0)
@@ -430,15 +464,31 @@ def one_step(trainer: Any, reader: Any, step: str, seed: float) -> Step:
 Times = dict[tuple[str, str], list[Step]]  # (variant, step) -> one per round
 
 
+def _pair(tensors: int, variants: list[Variant], source: str | None) -> tuple[Any, Any]:
+    """A trainer and a reader with ``variants``' probes; with ``source``,
+    importing raydirect from there (and with only that source's variant's probes)."""
+    if source is None:
+        return Trainer.remote(tensors, variants), Reader.remote(tensors, variants)
+    path = f"{source}:{Path(__file__).resolve().parent}"
+    env = {"runtime_env": {"env_vars": {**ENV, "PYTHONPATH": path}}}
+    own = [v for v in variants if v.source == source]
+    pair = Trainer.options(**env).remote(tensors, own), Reader.options(**env).remote(tensors, own)
+    found = ray.get([actor.source.remote() for actor in pair])
+    if any(Path(f) != Path(source).resolve() for f in found):
+        raise RuntimeError(f"--against {source}: the actors imported raydirect from {found}")
+    return pair
+
+
 def run(variants: list[Variant], tensors: int, rounds: int) -> Times:
-    trainer = Trainer.remote(tensors, variants)
-    reader = Reader.remote(tensors, variants)
+    pairs = {v.source: _pair(tensors, variants, v.source) for v in variants}
     times: Times = {}
     seed = 0.0
     for r in range(WARM_ROUNDS + rounds):
         shift = r % len(variants)
         for variant in variants[shift:] + variants[:shift]:
-            ray.get([trainer.configure.remote(variant), reader.configure.remote(variant)])
+            trainer, reader = pairs[variant.source]
+            applied = BASELINE if variant.source else variant
+            ray.get([trainer.configure.remote(applied), reader.configure.remote(applied)])
             for step in variant.steps:
                 seed += 1
                 took = one_step(trainer, reader, step, seed)
@@ -446,8 +496,9 @@ def run(variants: list[Variant], tensors: int, rounds: int) -> Times:
                     times.setdefault((variant.name, step), []).append(took)
         done = "warm-up round" if r < WARM_ROUNDS else f"round {r - WARM_ROUNDS + 1}/{rounds}"
         print(f"[memo_gains] {done} done", file=sys.stderr, flush=True)
-    ray.kill(trainer)
-    ray.kill(reader)
+    for pair in pairs.values():
+        for actor in pair:
+            ray.kill(actor)
     return times
 
 
@@ -483,8 +534,8 @@ def report(variants: list[Variant], times: Times, removed: list[str]) -> None:
     )
     print("|---|---|---:|---:|---:|---:|---:|")
     for variant in variants[1:]:
-        keys = _probe_keys(variant)
         for s in variant.steps:
+            keys = _probe_keys(variant, s)
             base, got = times[(BASELINE.name, s)], times[(variant.name, s)]
             calls_b = [sum(t.tally.get(k, 0.0) for k in keys) for t in base]
             calls_v = [sum(t.tally.get(k, 0.0) for k in keys) for t in got]
@@ -493,10 +544,11 @@ def report(variants: list[Variant], times: Times, removed: list[str]) -> None:
             p_mid, p_text = _saved([t.cpu for t in got], [t.cpu for t in base])
             _, w_text = _saved([t.wall for t in got], [t.wall for t in base])
             with_, without = (1e3 * statistics.median(c) for c in (calls_b, calls_v))
+            calls = f"{with_:.2f} -> {without:.2f} | {c_text}" if keys else "- | -"
+            c_pct = f"{100 * c_mid / step_cpu:+.1f}%" if keys else "-"
             print(
-                f"| {variant.name} | {s} | {with_:.2f} -> {without:.2f} "
-                f"| {c_text} | {p_text} | {w_text} "
-                f"| {100 * c_mid / step_cpu:+.1f}% / {100 * p_mid / step_cpu:+.1f}% |"
+                f"| {variant.name} | {s} | {calls} | {p_text} | {w_text} "
+                f"| {c_pct} / {100 * p_mid / step_cpu:+.1f}% |"
             )
     for name in removed:
         print(f"| {name} | | removed from the source | | | | |")
@@ -507,6 +559,15 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds after the warm-up")
     parser.add_argument("--tensors", type=int, default=5000, choices=[1, 200, 5000])
     parser.add_argument("--only", default="", help="comma-separated substrings of variant names")
+    parser.add_argument(
+        "--against",
+        metavar="SRC",
+        action="append",
+        default=[],
+        help="add a variant: the same steps by actors importing raydirect from SRC (the "
+        "src/ of another checkout): what the changes since then save (negative: cost). "
+        "Repeatable; this checkout's own src/ measures what separate processes alone differ by",
+    )
     args = parser.parse_args()
     chosen = [BASELINE, *VARIANTS]
     if args.only:
@@ -514,7 +575,12 @@ def main() -> None:
         chosen = [BASELINE, *(v for v in chosen[1:] if any(w in v.name for w in wanted))]
     variants = [v for v in chosen if v.present()]
     removed = [v.name for v in chosen if not v.present()]
-    env = {"THP_MEM_ALLOC_ENABLE": "1", "PYTHONPATH": str(Path(__file__).resolve().parent)}
+    for source in args.against:
+        name = f"raydirect from {source}"
+        variants.append(
+            Variant(name, BASELINE.steps, lambda: True, probes=_OUTERMOST, source=source)
+        )
+    env = {**ENV, "PYTHONPATH": str(Path(__file__).resolve().parent)}
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
     try:
         times = run(variants, args.tensors, args.rounds)
