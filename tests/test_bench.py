@@ -93,3 +93,23 @@ def test_weight_sync_targets_are_judged_beside_the_floor():
     assert table[6].endswith("| 5000 tensors, 4 consumers | 0.30x | 0.50x | yes |")
     assert len(table) == 7  # nothing for the rows that did not run (RDT, primitives, 200)
     assert weight_targets([]) == ""
+
+
+def test_memo_gains_runs_and_names_what_is_kept_and_what_was_removed():
+    """benchmarks/memo_gains.py (what each cache saves): one round at 200 tensors
+    prints a row for each cache still in the source and lists the removed ones."""
+    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "memo_gains.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    done = subprocess.run(
+        [sys.executable, script, "--rounds", "2", "--tensors", "200"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "| into: @rd.method dict -> rd.get(into=) |" in out
+    assert "| state-dict format (_payload._STATE_DICT): the pickler instead | into |" in out
+    assert "| into= described before the value arrives" in out
+    assert "| Ranges.memo (cma spans per plan) | | removed from the source |" in out
