@@ -9,12 +9,11 @@ when it started and ended after the driver's call, and how long it took:
 medians over the steps after the first.
 
     ./dev python benchmarks/step_timeline.py [--tensors 1,200,5000] [--steps 20]
-        [--native] [--malloc-huge-pages]
+        [--malloc-huge-pages]
 
-``--native`` builds raydirect's optional native helper (``raydirect native``) and
-runs both actors with ``RAYDIRECT_NATIVE=1``. ``--malloc-huge-pages`` starts both
-with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1`` (glibc 2.35+): malloc's own memory,
-where small tensors live, then gets transparent huge pages too.
+``--malloc-huge-pages`` starts both actors with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``
+(glibc 2.35+): malloc's own memory, where small tensors live, then gets
+transparent huge pages too.
 
 The layouts are workload 6's (``rdbench.common.state_dict_layout``): 256 MiB as one
 tensor, as 200 (22 decoder layers) and as 5,000 (555). Huge pages for large
@@ -39,7 +38,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rdbench.common import state_dict_layout  # noqa: E402
 
 import raydirect as rd  # noqa: E402
-from raydirect import _native as native  # noqa: E402
 
 TOTAL = 256 << 20
 MALLOC_HUGE_PAGES = "glibc.malloc.hugetlb=1"  # read by glibc when a process starts
@@ -156,7 +154,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tensors", default="1,200,5000", help="comma-separated: 1, 200, 5000")
     parser.add_argument("--steps", type=int, default=20, help="timed steps after the cold one")
-    parser.add_argument("--native", action="store_true", help="with the native helper")
     parser.add_argument(
         "--malloc-huge-pages", action="store_true", help="small tensors on huge pages too"
     )
@@ -166,9 +163,6 @@ def main() -> None:
         if n != 1 and n not in LAYERS:
             parser.error(f"--tensors takes 1, 200 or 5000, got {n}")
     env = {"THP_MEM_ALLOC_ENABLE": "1", "PYTHONPATH": str(Path(__file__).resolve().parent)}
-    if args.native:
-        native.build()  # here, once: the actors load it at their first export
-        env[native.NATIVE_ENV] = "1"
     if args.malloc_huge_pages:
         env["GLIBC_TUNABLES"] = MALLOC_HUGE_PAGES
     ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})

@@ -45,14 +45,16 @@ class FileTransport(rd.TensorTransportManager):
         path = f"/dev/shm/example-{obj_id}"
         with open(path, "wb") as f:
             pickle.dump(list(tensors), f)
-        return FileMetadata(tensor_meta=[(t.shape, t.dtype) for t in tensors],
-                            tensor_device="cpu", path=path)
+        return FileMetadata(
+            tensor_meta=[(t.shape, t.dtype) for t in tensors], tensor_device="cpu", path=path
+        )
 
     def get_communicator_metadata(self, src_actor, dst_actor, backend=None):
         return rd.CommunicatorMetadata()
 
-    def recv_multiple_tensors(self, obj_id, tensor_transport_metadata, communicator_metadata,
-                              target_buffers=None):
+    def recv_multiple_tensors(
+        self, obj_id, tensor_transport_metadata, communicator_metadata, target_buffers=None
+    ):
         # Consumer: read them back.
         with open(tensor_transport_metadata.path, "rb") as f:
             return pickle.load(f)

@@ -13,7 +13,6 @@ import ray
 import torch
 
 import raydirect as rd
-from raydirect import _native
 from raydirect.testing import mismatch
 
 
@@ -605,9 +604,6 @@ class Trainer:
     def stats(self) -> rd.LocalStats:
         return rd.local_stats()
 
-    def native_status(self) -> str:
-        return _native.status()
-
 
 @ray.remote(num_cpus=0)
 class Inference:
@@ -659,9 +655,6 @@ class Inference:
 
     def same_tensors(self) -> bool:
         return all(id(v) == self.ids[k] for k, v in self.weights.items())
-
-    def native_status(self) -> str:
-        return _native.status()
 
     def received(self) -> int:
         return sum(rd.local_stats().bytes_received.values())

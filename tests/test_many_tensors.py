@@ -1,6 +1,6 @@
 """What keeps an object of thousands of tensors cheap, in one process: into=
-described ahead and matched by key, layouts kept by content, a Payload small
-enough for Ray to inline, and the garbage collector held off during bulk work.
+described ahead and matched by key, a Payload small enough for Ray to inline
+(its keys decoded once), and the garbage collector held off during bulk work.
 The end-to-end reads these serve run with a real Ray in test_into.py,
 test_values.py and test_weights.py."""
 
@@ -20,6 +20,7 @@ from raydirect._into import MatchedTargets, describe_targets, match
 from raydirect._payload import Payload, ProducerInfo
 from raydirect._producer import _byte_views
 from raydirect._ranges import ByteViews, Ranges
+from raydirect._tensors import TensorMetas
 from raydirect.errors import TransferError
 from raydirect.transports import cma
 from raydirect.transports.base import PeerMetadata
@@ -78,40 +79,47 @@ def test_5000_tensors_travel_in_a_payload_ray_inlines():
     size = len(cloudpickle.dumps(payload))
     assert size < RAY_INLINE_LIMIT // 2, size  # uncompressed it was 345 KB
     back = cloudpickle.loads(cloudpickle.dumps(payload.metas.pack()))
-    assert list(_payload._unpacked_metas(back)) == list(payload.metas)
+    assert list(TensorMetas.unpack(back)) == list(payload.metas)
     assert _payload.state_dict_keys(payload.skeleton) == tuple(state)
 
 
-def test_layouts_are_kept_by_content_and_shared():
-    payload = _payload_of(_model_state(3))
-    blob = payload.metas.pack()
-    first = _payload._unpacked_metas(bytes(blob))
-    assert _payload._unpacked_metas(bytes(bytearray(blob))) is first  # equal bytes, one object
-    keys = _payload.state_dict_keys(payload.skeleton)
-    assert isinstance(keys, tuple) and _payload.state_dict_keys(bytes(payload.skeleton)) is keys
-    assert _payload.state_dict_index(payload.skeleton) == {k: i for i, k in enumerate(keys)}
+def test_a_rebuilt_payload_holds_its_state_dict_s_keys_decoded():
+    """Rebuilt in a consumer, a state dict's Payload carries its keys, decoded
+    once for matching into= and for joining; other values keep their skeleton."""
+    state = _model_state(2)
+    payload = _payload_of(state)
+    func, args = payload.__reduce__()
+    _payload.deferred.active = True  # as rd.get rebuilds: nothing fetched
+    try:
+        rebuilt = func(*args).payload
+    finally:
+        _payload.deferred.active = False
+    assert rebuilt.skeleton == tuple(state)
+    assert list(rebuilt.metas) == list(payload.metas)
+    tensors = list(state.values())
+    assert _payload.join(rebuilt.skeleton, tensors, []) == state
+    assert _payload.join(payload.skeleton, tensors, []) == state  # from the bytes alike
 
 
-def test_metas_packed_again_only_when_they_differ_from_the_last():
-    """A trainer's state dict exported step after step packs its metas once; a
-    changed shape, dtype or grad flag packs anew, and what unpacks is always the
-    metas of the tensors sent."""
+def test_metas_of_the_tensors_sent_unpack_whatever_changed():
+    """Packed columns unpack to the metas of the tensors sent: shapes shared by
+    many tensors, a changed shape, dtype or grad flag, 0-d and empty tensors."""
     state = _model_state(3)
-    first = _payload.split(state).metas
-    blob = first.pack()
-    again = _payload.split(dict(state)).metas  # new metas, equal columns
-    assert again is not first and again.pack() is blob
     changes = {
+        "same": dict(state),
         "shape": {**state, "model.norm.weight": torch.zeros(65)},
         "dtype": {**state, "model.norm.weight": torch.zeros(64, dtype=torch.float16)},
         "grad": {**state, "model.norm.weight": torch.zeros(64, requires_grad=True)},
+        "odd": {**state, "scalar": torch.tensor(1.0), "empty": torch.zeros(0, 3)},
     }
-    for what, changed in changes.items():
-        metas = _payload.split(changed).metas
-        packed = metas.pack()
-        assert packed != blob, what
-        assert list(type(metas).unpack(packed)) == list(metas), what
-    assert list(type(first).unpack(first.pack())) == list(first)
+    packed = {}
+    for what, value in changes.items():
+        metas = _payload.split(value).metas
+        packed[what] = metas.pack()
+        back = TensorMetas.unpack(packed[what])
+        assert list(back) == list(metas), what
+        assert all(type(s) is tuple for s in back.shapes), what
+    assert len(set(packed.values())) == len(packed)
 
 
 def test_cma_addresses_round_trip_in_any_order():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import pickle
 import signal
 from typing import Any
 
@@ -322,3 +323,22 @@ def test_depth_zero_with_a_module_holds_its_parameters_until_the_handle_goes(ray
         rd.wait_tensor_freed(source.weight, timeout=0.5)  # the live parameter is held
     del handle
     rd.wait_tensor_freed(source.weight, timeout=30)  # released with the last handle
+
+
+def test_a_publisher_keeps_its_layout_until_the_source_changes():
+    """Same names, shapes and dtypes: the same layout (subscribers keep their plans
+    by its token); any change makes a new one. A layout pickles to an equal one."""
+    state = {"a": torch.zeros(4, 2), "b": torch.zeros(3), "c": torch.zeros(2, dtype=torch.int64)}
+    pub = rd.WeightPublisher(state, dtype=torch.bfloat16)
+    first = pub._layout_of(dict(state))
+    assert first.dtypes == ("bfloat16", "bfloat16", "int64")
+    assert pub._layout_of({k: v.clone() for k, v in state.items()}) is first
+    for changed in (
+        {**state, "b": torch.zeros(5)},
+        {**state, "b": torch.zeros(3, dtype=torch.float64).int()},
+        {"b": state["b"], "a": state["a"], "c": state["c"]},
+    ):
+        layout = pub._layout_of(changed)
+        assert layout is not first and layout.token != first.token
+        assert pub._layout_of(dict(changed)) is layout
+    assert pickle.loads(pickle.dumps(first)) == first

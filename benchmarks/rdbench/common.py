@@ -45,12 +45,8 @@ ACTOR_NUM_CPUS = 0
 # Both sides (driver floors and every worker) get PyTorch's huge-page allocator.
 THP_ENV_VAR = "THP_MEM_ALLOC_ENABLE"
 THP_ENV = {THP_ENV_VAR: "1"}
-# The weight-sync rows "tuned": actors that also use raydirect's native helper and
-# put malloc's own memory (a model's small tensors) on huge pages, as
-# docs/weight-sync.md#many-tensors suggests for thousands of tensors.
-TUNED = "native helper, malloc huge pages"
 MALLOC_HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-TUNED_ENV = {**THP_ENV, "RAYDIRECT_NATIVE": "1", **MALLOC_HUGE_PAGES}
+
 
 # System names shared by the workloads, the table and the ratios.
 OBJECT_STORE = "ray object store"

@@ -11,7 +11,6 @@ from typing import Any
 import ray
 
 import raydirect as rd
-from raydirect import _native as native
 from raydirect._tls import ENCRYPT_ENV, RECORDS_ENV
 from rdbench.actors import Consumer, Producer, RdtConsumer, RdtProducer
 from rdbench.common import (
@@ -20,7 +19,6 @@ from rdbench.common import (
     GROUP_RAYDIRECT,
     GROUP_RDT,
     SETUP_TIMEOUT_S,
-    TUNED_ENV,
     Layout,
     Row,
     describe_error,
@@ -78,7 +76,6 @@ class Context:
     _producers: list[Any] = field(default_factory=list)
     _consumers: list[Any] = field(default_factory=list)
     _rdt_actors: list[Any] = field(default_factory=list)  # producer, then consumers
-    _tuned: list[Any] = field(default_factory=list)  # producer, then consumers
     _encrypted: dict[str, Any] = field(default_factory=dict)  # RAYDIRECT_ENCRYPT=1, by records
     _rdt_group: Any = None
     _rd_group: bool = False
@@ -115,18 +112,6 @@ class Context:
 
     def consumers(self, n: int, wait: bool = True) -> list[Any]:
         return self._grow(self._consumers, Consumer, n, "consumer(s)", wait)
-
-    def tuned(self, consumers: int) -> tuple[Any, list[Any]]:
-        """A producer and ``consumers`` consumers started with ``TUNED_ENV``: the
-        native helper (``tuned_ready`` builds it first, so they load it at once)
-        and malloc's memory on huge pages."""
-        if not self._tuned:
-            log(f"starting a tuned producer and {consumers} consumer(s)")
-            env = {"env_vars": TUNED_ENV}
-            self._tuned = [Producer.options(runtime_env=env).remote()]
-            self._tuned += [Consumer.options(runtime_env=env).remote() for _ in range(consumers)]
-            ray.get([a.__ray_ready__.remote() for a in self._tuned], timeout=SETUP_TIMEOUT_S)
-        return self._tuned[0], self._tuned[1 : consumers + 1]
 
     def encrypted_producer(self, records: str = "frames") -> Any:
         """A producer whose agent encrypts its stream port (``RAYDIRECT_ENCRYPT=1``:
@@ -166,7 +151,6 @@ class Context:
         producers = [
             *self._producers,
             *self._rdt_actors[:1],
-            *self._tuned[:1],
             *self._encrypted.values(),
         ]
         try:
@@ -193,7 +177,6 @@ class Context:
             *self._producers,
             *self._consumers,
             *self._rdt_actors,
-            *self._tuned,
             *self._encrypted.values(),
         ]:
             ray.kill(actor)
@@ -205,22 +188,6 @@ def rdt_ready(ctx: Context, rows: Sequence[Row]) -> tuple[Any, list[Any]] | None
         return ctx.rdt()
     except Exception as exc:
         _fail(rows, f"RDT setup failed: {describe_error(exc)}")
-        return None
-
-
-def tuned_ready(ctx: Context, rows: Sequence[Row]) -> tuple[Any, list[Any]] | None:
-    """The tuned actors (``Context.tuned``), or None after marking ``rows`` skipped
-    (the native helper cannot be built here) or failed, with the reason."""
-    try:
-        native.build()
-    except Exception as exc:  # no compiler, no headers: a machine fact, not a failure
-        for row in rows:
-            skip(row, f"raydirect's native helper cannot be built here ({describe_error(exc)})")
-        return None
-    try:
-        return ctx.tuned(max(ctx.config.consumers))
-    except Exception as exc:
-        _fail(rows, f"the tuned actors could not start: {describe_error(exc)}")
         return None
 
 

@@ -27,7 +27,6 @@ from rdbench.common import (
     RDT_GLOO,
     SETUP_TIMEOUT_S,
     TRANSFER_TIMEOUT_S,
-    TUNED,
     Layout,
     Row,
     fill_layout,
@@ -37,7 +36,7 @@ from rdbench.common import (
     run_row,
     state_dict_layout,
 )
-from rdbench.fleet import Context, allocate, rdt_ready, tuned_ready
+from rdbench.fleet import Context, allocate, rdt_ready
 from rdbench.report import TargetLine, render_targets
 from rdbench.shards import shard_bytes, sharded_shape
 
@@ -51,8 +50,6 @@ FLOOR_COPY = "floor: in-process copy"
 # The same job with raydirect's primitives: the trainer's @rd.method returns its
 # dict, each consumer reads it with rd.get(ref, into=its own tensors).
 PRIMITIVES = "raydirect @rd.method dict, rd.get(into=)"
-# The same in actors started with the native helper and malloc's memory on huge pages.
-TUNED_PRIMITIVES = f"{PRIMITIVES}, {TUNED}"
 
 
 def _param(tensors: int, consumers: int) -> str:
@@ -80,7 +77,6 @@ def weight_api(ctx: Context) -> list[Row]:
                 )
                 if world == 1:
                     rows += _family(ctx, PRIMITIVES, tensors, layout, world, rdt=None)
-                    rows += _family(ctx, TUNED_PRIMITIVES, tensors, layout, world, rdt=None)
                 if world > 1 and tensors > 1:  # the publisher told the shards: RankBlocks
                     for system in (
                         f"{WEIGHT_API}, {shape}, {BLOCKS}",
@@ -132,18 +128,12 @@ def _family(
         if actors is None:
             return family
         producer, consumers = actors
-    elif system == TUNED_PRIMITIVES:
-        tuned = tuned_ready(ctx, family)
-        if tuned is None:
-            return family
-        producer, consumers = tuned
     else:
         producer, consumers = ctx.producers(1)[0], ctx.consumers(max(cfg.consumers))
     if not allocate([producer], layout, family):
         return family
     for row, n in zip(family, counts, strict=True):
-        primitives = system in (PRIMITIVES, TUNED_PRIMITIVES)
-        how = "by hand" if rdt is not None else "primitives" if primitives else "publish"
+        how = "by hand" if rdt is not None else "primitives" if system == PRIMITIVES else "publish"
         step = _step(producer, consumers[:n], layout, world, how, LOAD_ONLY in system, blocks)
         run_row(row, cfg.sync_steps, step, ctx.seed_iter)
     return family
@@ -260,7 +250,6 @@ def weight_targets(rows: Sequence[Row]) -> str:
         (f"{WEIGHT_API}, full", "weight API, whole step"),
         (_WHOLE_LOADS, "weight API, loads"),
         (PRIMITIVES, "@rd.method dict, rd.get(into=)"),
-        (TUNED_PRIMITIVES, f"the same, {TUNED}"),
     ):
         for n in (1, WORLD):
             got = ratio((system, _param(5000, n)), (system, _param(1, n)))

@@ -35,8 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from raydirect import _native as native
-from raydirect._payload import InlinePayload, Payload, join, state_dict_index, state_dict_keys
+from raydirect._payload import InlinePayload, Payload, join, state_dict_keys
 from raydirect._tensors import (
     DTYPE_NAMES,
     KIND_TORCH,
@@ -44,7 +43,6 @@ from raydirect._tensors import (
     TensorMetas,
     device_types,
     finish,
-    named_columns,
     torch_dtype,
 )
 
@@ -102,9 +100,9 @@ def _described(keys: tuple[str, ...], tensors: list[Any]) -> DescribedTargets | 
     columns = _target_columns(tensors)
     if columns is None:
         return None
-    shapes, dtypes, devices, addresses, sizes = columns
+    shapes, dtypes, devices, addresses = columns
     if len(set(addresses)) != len(addresses):  # empty tensors may share an address
-        sizes = sizes if sizes is not None else [t.nbytes for t in tensors]
+        sizes = [t.nbytes for t in tensors]
         nonempty = [a for a, n in zip(addresses, sizes, strict=True) if n]
         if len(set(nonempty)) != len(nonempty):
             return None  # two targets share memory: the checks name them
@@ -112,14 +110,8 @@ def _described(keys: tuple[str, ...], tensors: list[Any]) -> DescribedTargets | 
 
 
 def _target_columns(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
-    """(shapes, dtypes, devices, addresses, sizes or None) of ``tensors``, None
-    when one is not contiguous: the native helper's one loop, or C comprehensions."""
-    facts = native.facts(tensors)
-    if facts is not None:
-        if not facts.all(native.CONTIGUOUS):
-            return None
-        dtypes, devices = named_columns(facts, tensors)
-        return facts.shapes, dtypes, devices, facts.addresses.tolist(), facts.nbytes
+    """(shapes, dtypes, devices, addresses) of ``tensors``, one C comprehension
+    each, or None when one is not contiguous."""
     if not all([t.is_contiguous() for t in tensors]):
         return None
     return (
@@ -127,7 +119,6 @@ def _target_columns(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
         [DTYPE_NAMES[t.dtype] for t in tensors],
         device_types(tensors),
         [t.data_ptr() for t in tensors],
-        None,
     )
 
 
@@ -151,16 +142,17 @@ def _match_described(
 ) -> MatchedTargets | None:
     """``into`` matched by key, when every target fits; None sends the caller
     through the checks one by one (which name what does not fit)."""
-    keys, index = state_dict_keys(payload.skeleton), state_dict_index(payload.skeleton)
-    if keys is None or index is None:
+    keys = state_dict_keys(payload.skeleton)
+    if keys is None:
         return None
     order: Sequence[int]
     if into.keys == keys:  # the same dict as the producer's, in its order
         order = range(len(keys))
-    elif into.keys and all([k in index for k in into.keys]):
-        order = [index[k] for k in into.keys]
     else:
-        return None
+        index = _index(keys)
+        if not into.keys or not all([k in index for k in into.keys]):
+            return None
+        order = [index[k] for k in into.keys]
     if not _fits(into, payload.metas, order):
         return None
     found = MatchedTargets(zip(order, into.tensors, strict=True))
@@ -193,9 +185,15 @@ def match(
     return found
 
 
+def _index(keys: tuple[str, ...]) -> dict[str, int]:
+    """Each key's position in a state dict's keys."""
+    return dict(zip(keys, range(len(keys)), strict=True))
+
+
 def _match_structure(payload: Payload | InlinePayload, into: Any) -> dict[int, Any]:
-    index = state_dict_index(payload.skeleton)
-    if index is not None and isinstance(into, Mapping) and into.keys() <= index.keys():
+    keys = state_dict_keys(payload.skeleton)
+    index = _index(keys) if keys is not None and isinstance(into, Mapping) else None
+    if index is not None and into.keys() <= index.keys():
         return {index[k]: t for k, t in into.items() if t is not None}  # a state dict: in bulk
     count = len(payload.metas)
     slots = [_Slot(i) for i in range(count)]

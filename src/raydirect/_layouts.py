@@ -16,8 +16,6 @@ import dataclasses
 import math
 import pickle
 import sys
-import threading
-from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -168,18 +166,12 @@ class WeightsLayout:
     def global_shape(self, i: int) -> tuple[int, ...]:
         return self.global_shapes[i] if self.global_shapes else self.shapes[i]
 
-    def __reduce__(self) -> tuple[Any, tuple[bytes, bytes]]:
-        # Every handle carries its layout; a process that has seen this one (a
-        # subscriber, every step) takes it from its cache instead of rebuilding
-        # thousands of tuples (2 ms for 5,000 tensors): the fields travel as one blob,
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        # Every handle carries its layout: the fields travel as one blob,
         # compressed (5,000 names and shapes: 300 KB raw, 20 KB packed), so a handle
         # stays under Ray's inline limit instead of going through its object store.
-        blob = self.__dict__.get("_blob")
-        if blob is None:
-            fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
-            blob = compression.pack(pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL))
-            object.__setattr__(self, "_blob", blob)
-        return (_layout_from, (self.token, blob))
+        fields = tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+        return (_layout_from, (compression.pack(pickle.dumps(fields, pickle.HIGHEST_PROTOCOL)),))
 
     @property
     def nbytes(self) -> int:
@@ -236,21 +228,8 @@ class Pieces:
         )
 
 
-_LAYOUTS_KEPT = 16
-_layouts: OrderedDict[bytes, WeightsLayout] = OrderedDict()
-_layouts_lock = threading.Lock()
-
-
-def _layout_from(token: bytes, blob: bytes) -> WeightsLayout:
-    with _layouts_lock:
-        layout = _layouts.get(token)
-    if layout is None:
-        layout = WeightsLayout(*pickle.loads(compression.unpack(blob)))
-        with _layouts_lock:
-            _layouts[token] = layout
-            if len(_layouts) > _LAYOUTS_KEPT:
-                _layouts.popitem(last=False)
-    return layout
+def _layout_from(blob: bytes) -> WeightsLayout:
+    return WeightsLayout(*pickle.loads(compression.unpack(blob)))
 
 
 def nbytes_of(shape: Sequence[int], dtype: str) -> int:

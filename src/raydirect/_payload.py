@@ -37,8 +37,6 @@ from raydirect import _process, _ray
 from raydirect._tensors import TensorMetas, as_tensor, describe_all
 from raydirect.errors import RaydirectError
 
-# Layouts (a state dict's keys, an object's metas) kept by content per process.
-_LAYOUTS_KEPT = 8
 # Stands in ``Payload.transport_meta`` for metadata the producer still prepares
 # in the background: the consumer asks the producer's agent for it.
 PREPARING = "raydirect:preparing"
@@ -68,7 +66,8 @@ class Payload:
 
     obj_id: bytes
     capability: bytes
-    skeleton: bytes
+    # The value without its tensors; a state dict's keys once the Payload is rebuilt.
+    skeleton: bytes | tuple[str, ...]
     handles: list[Any]
     metas: TensorMetas
     transport: str
@@ -149,17 +148,11 @@ def get_deferred(refs: list[ray.ObjectRef], timeout: float | None = None) -> lis
         deferred.active = False
 
 
-@functools.lru_cache(maxsize=_LAYOUTS_KEPT)
-def _unpacked_metas(blob: bytes) -> TensorMetas:
-    # Kept by content: a producer that sends the same tensors step after step
-    # sends the same metas, and 5,000 of them cost a millisecond and thousands of
-    # tuples to unpack. Shared between Payloads: nothing writes a TensorMetas.
-    return TensorMetas.unpack(blob)
-
-
 def _rebuild(*state: Any) -> Any:
     payload = Payload(*state)
-    payload.metas = _unpacked_metas(payload.metas)
+    payload.metas = TensorMetas.unpack(payload.metas)  # type: ignore[arg-type]
+    # A state dict's keys, decoded once for every use (into= matching, join).
+    payload.skeleton = state_dict_keys(payload.skeleton) or payload.skeleton
     if deferred.active:
         return PendingFetch(payload)
     if _fetcher is None:  # only if raydirect._payload was loaded without its package
@@ -270,7 +263,7 @@ class InlinePayload:
     def metas(self) -> TensorMetas:
         if self._metas is None:
             views = [as_tensor(t) for t in self.tensors]  # what split found: never None
-            self._metas = describe_all(self.tensors, views).metas  # type: ignore[arg-type]
+            self._metas = describe_all(self.tensors, views)  # type: ignore[arg-type]
         return self._metas
 
 
@@ -352,9 +345,6 @@ class SplitValue:
     tensors: list[Any]  # their torch views
     handles: list[Any]
     metas: TensorMetas
-    # Read with the metas by the native helper (``describe_all``), else None.
-    addresses: Any = None  # np.ndarray of data pointers, when all are contiguous
-    versions: list[int] | None = None
 
 
 # A state dict (str keys, each value its own plain tensor) is most of what
@@ -372,23 +362,14 @@ def _split_state_dict(value: Any) -> SplitValue | None:
         return None
     if not all([type(k) is str for k in value]) or len(set(map(id, tensors))) != len(tensors):
         return None  # a tensor twice (tied weights): the general path sends it once
-    described = describe_all(tensors, tensors, plain=True)
-    return SplitValue(_state_dict_skeleton(list(value)), tensors, tensors, [], *described)
-
-
-_last_skeleton: tuple[list[str], bytes] = ([], b"")
+    metas = describe_all(tensors, tensors, plain=True)
+    return SplitValue(_state_dict_skeleton(list(value)), tensors, tensors, [], metas)
 
 
 def _state_dict_skeleton(keys: list[str]) -> bytes:
     """The marker and the keys, compressed (5,000 keys: 212 KB pickled, 16 KB
-    compressed, so the Payload stays under Ray's inline limit); kept for the
-    keys sent last, as a trainer sends the same ones every step."""
-    global _last_skeleton
-    last_keys, skeleton = _last_skeleton
-    if keys != last_keys:
-        skeleton = _STATE_DICT + compression.pack(pickle.dumps(keys, protocol=5))
-        _last_skeleton = (keys, skeleton)
-    return skeleton
+    compressed, so the Payload stays under Ray's inline limit)."""
+    return _STATE_DICT + compression.pack(pickle.dumps(keys, protocol=5))
 
 
 def split(value: Any, only: type | None = None) -> SplitValue:
@@ -399,39 +380,25 @@ def split(value: Any, only: type | None = None) -> SplitValue:
     buf = io.BytesIO()
     pickler = _Splitter(buf, only)
     pickler.dump(value)
-    described = describe_all(pickler.originals, pickler.tensors)
-    return SplitValue(
-        buf.getvalue(), pickler.originals, pickler.tensors, pickler.handles, *described
-    )
+    metas = describe_all(pickler.originals, pickler.tensors)
+    return SplitValue(buf.getvalue(), pickler.originals, pickler.tensors, pickler.handles, metas)
 
 
-def state_dict_keys(skeleton: bytes) -> tuple[str, ...] | None:
-    """The keys of a value ``split`` took as a state dict, else None."""
+def state_dict_keys(skeleton: bytes | tuple[str, ...]) -> tuple[str, ...] | None:
+    """The keys of a value ``split`` took as a state dict (decoded, or as a rebuilt
+    Payload holds them), else None."""
+    if isinstance(skeleton, tuple):
+        return skeleton
     if not skeleton.startswith(_STATE_DICT):
         return None
-    return _state_dict_layout(skeleton)[0]
+    return tuple(pickle.loads(compression.unpack(skeleton[len(_STATE_DICT) :])))
 
 
-def state_dict_index(skeleton: bytes) -> dict[str, int] | None:
-    """Each key's position in a value ``split`` took as a state dict, else None."""
-    if not skeleton.startswith(_STATE_DICT):
-        return None
-    return _state_dict_layout(skeleton)[1]
-
-
-@functools.lru_cache(maxsize=_LAYOUTS_KEPT)
-def _state_dict_layout(skeleton: bytes) -> tuple[tuple[str, ...], dict[str, int]]:
-    # Kept by content: weight sync sends the same keys every step, and unpickling
-    # 5,000 of them costs more than hashing their bytes. Callers never mutate them.
-    keys = tuple(pickle.loads(compression.unpack(skeleton[len(_STATE_DICT) :])))
-    return keys, dict(zip(keys, range(len(keys)), strict=True))
-
-
-def join(skeleton: bytes, tensors: list[Any], handles: list[Any]) -> Any:
+def join(skeleton: bytes | tuple[str, ...], tensors: list[Any], handles: list[Any]) -> Any:
     """The value ``split`` took apart, around ``tensors`` (in order) and ``handles``."""
     keys = state_dict_keys(skeleton)
     if keys is not None:
         return dict(zip(keys, tensors, strict=True))
-    unpickler = pickle.Unpickler(io.BytesIO(skeleton))
+    unpickler = pickle.Unpickler(io.BytesIO(skeleton))  # type: ignore[arg-type]
     unpickler.persistent_load = [*tensors, *reversed(handles)].__getitem__  # type: ignore[method-assign]
     return unpickler.load()

@@ -256,19 +256,6 @@ def _overlaps(
         )
 
 
-PLAN_COLUMNS = (
-    "rank",
-    "index",
-    "src_offset",
-    "length",
-    "count",
-    "src_stride",
-    "dest",
-    "dest_offset",
-    "dest_stride",
-)
-
-
 @dataclass(frozen=True, eq=False)
 class Plan:
     """Runs for one worker: row i reads ``count[i]`` runs of ``length[i]`` bytes, the

@@ -251,7 +251,7 @@ def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
         originals=parts.originals,
         buffers=_byte_views(parts),
         metas=parts.metas,
-        versions=parts.versions if parts.versions is not None else version_counters(parts.tensors),
+        versions=version_counters(parts.tensors),
         storages=storage_keys(parts.tensors),
         label=label,
         transport=transport,
@@ -264,13 +264,12 @@ def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
 def _byte_views(parts: SplitValue) -> ByteViews:
     """The bytes each tensor sends; a non-contiguous one is packed once, now.
     Flat views are made only for transports that use them: ``cma`` needs addresses."""
-    tensors, addresses = parts.tensors, parts.addresses  # addresses: all contiguous
-    if addresses is not None or all([t.is_contiguous() for t in tensors]):
+    tensors = parts.tensors
+    if all([t.is_contiguous() for t in tensors]):
         sources = tensors
     else:
         sources = [t if t.is_contiguous() else t.contiguous() for t in tensors]
-    if addresses is None:
-        addresses = np.array([t.data_ptr() for t in sources], dtype=np.int64)
+    addresses = np.array([t.data_ptr() for t in sources], dtype=np.int64)
     lengths = np.asarray(parts.metas.nbytes, dtype=np.int64)
     return ByteViews(addresses, lengths, lambda i: flat_bytes(sources[i]))
 

@@ -11,13 +11,10 @@ one list in the request.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import numpy as np
 import torch
-
-_MEMO_KEPT = 4  # a subscriber alternates between its publisher's depth slots
 
 
 @dataclass
@@ -34,17 +31,6 @@ class Ranges:
     stride: np.ndarray
     dests: Sequence[torch.Tensor]
     whole: bool = False  # one row per tensor of the object, in order, every byte
-    _memo: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
-
-    def memo(self, key: Any, make: Callable[[], Any]) -> Any:
-        """``make()``, kept under ``key`` while these ranges live (a transport's plan
-        for them, given the producer's addresses); a few at a time."""
-        value = self._memo.get(key)
-        if value is None:
-            if len(self._memo) >= _MEMO_KEPT:
-                self._memo.clear()
-            value = self._memo[key] = make()
-        return value
 
     @classmethod
     def of_whole(cls, targets: Sequence[torch.Tensor]) -> Ranges:
@@ -68,10 +54,16 @@ class Ranges:
 
     @classmethod
     def of_rows(cls, rows: Sequence[Sequence[int]], dests: list[torch.Tensor]) -> Ranges:
-        """From ``(index, offset, length, count, stride)`` rows."""
+        """From ``(index, offset, length, count, stride)`` rows. Where each row
+        lands is read here, once: a weight subscriber reads into the same ranges
+        (its plan) every step."""
         table = np.array(rows, dtype=np.int64).reshape(-1, 5)
         index, offset, length, count, stride = (table[:, i].copy() for i in range(5))
-        return cls(index, offset, length, count, stride, dests)
+        n = len(dests)
+        addresses = np.fromiter((d.data_ptr() for d in dests), dtype=np.int64, count=n)
+        lengths = np.fromiter((d.numel() for d in dests), dtype=np.int64, count=n)
+        landing = ByteViews(addresses, lengths, dests.__getitem__)
+        return cls(index, offset, length, count, stride, landing)
 
     @property
     def nbytes(self) -> int:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,7 @@ _SHOWN = 5  # problems listed in one error
 # Strided runs at least this long land straight in the target; shorter ones go to
 # scratch memory and are copied over once (a cross-memory read pays per run).
 _DIRECT_RUN = 64 << 10
+_PER_RANK = ("ranks", "rank_ptr")  # a Plan's columns that are not one value per row
 
 
 class _Targets:
@@ -146,7 +147,7 @@ class _Load:
 def _assembled(plan: planner.Plan, dests: list[torch.Tensor]) -> _Load:
     """``plan``'s rows as ranges per rank, landing in ``dests`` (flat uint8 views of
     the targets) directly, or in scratch for short strided runs."""
-    rows = {name: getattr(plan, name) for name in planner.PLAN_COLUMNS}
+    rows = {f.name: getattr(plan, f.name) for f in fields(plan) if f.name not in _PER_RANK}
     strided = (rows["count"] > 1) & (rows["dest_stride"] != rows["length"])
     split = strided & (rows["length"] >= _DIRECT_RUN)
     if split.any():  # long strided runs: one row each, straight into the target

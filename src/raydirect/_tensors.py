@@ -14,8 +14,6 @@ then owns the mapping (closing it under a live tensor would crash the next read)
 
 from __future__ import annotations
 
-import functools
-import itertools
 import mmap
 import os
 import pickle
@@ -28,7 +26,6 @@ import numpy as np
 import torch
 
 from raydirect import _compression as compression
-from raydirect import _native as native
 
 # Arena slots start on cache-line boundaries so every dtype view is aligned.
 _ALIGN = 64
@@ -170,94 +167,45 @@ class TensorMetas(Sequence[TensorMeta]):
         return sum(self.nbytes)
 
     def pack(self) -> bytes:
-        """The columns as bytes: shapes flat (every dimension in one list, each
-        rank in another: ints pickle in bulk, tuples one by one), compressed
-        (a model repeats a few shapes: 5,000 tensors' metas are 93 KB raw, 1 KB
-        packed), so that the Payload stays under Ray's inline limit. The metas
-        packed last are kept: a trainer sends the same ones every step, and
-        comparing 5,000 of them costs a twentieth of packing them."""
-        global _last_packed
-        last, blob = _last_packed
-        if last is not None and (last is self or last.columns() == self.columns()):
-            return blob
-        dims = list(itertools.chain.from_iterable(self.shapes))
-        ranks = list(map(len, self.shapes))
-        columns = (dims, ranks, self.dtypes, self.nbytes, self.devices, self.rest)
-        blob = compression.pack(pickle.dumps(columns, protocol=5))
-        _last_packed = (self, blob)
-        return blob
-
-    def columns(self) -> tuple[Any, ...]:
-        return (self.shapes, self.dtypes, self.nbytes, self.devices, self.rest)
+        """The columns as bytes: each distinct shape once and, per tensor, the
+        index of its shape (a model repeats a few shapes: ints pickle in bulk,
+        tuples one by one, and unpacking is one list lookup a tensor),
+        compressed (5,000 tensors' metas are 93 KB raw, under 1 KB packed), so
+        that the Payload stays under Ray's inline limit."""
+        distinct: dict[tuple[int, ...], int] = {}
+        index = [distinct.setdefault(shape, len(distinct)) for shape in self.shapes]
+        shapes = list(map(tuple, distinct))  # plain tuples, not torch.Size
+        columns = (shapes, index, self.dtypes, self.nbytes, self.devices, self.rest)
+        return compression.pack(pickle.dumps(columns, protocol=5))
 
     @classmethod
     def unpack(cls, blob: bytes) -> TensorMetas:
-        dims, ranks, dtypes, nbytes, devices, rest = pickle.loads(compression.unpack(blob))
-        flat = iter(dims)
-        shapes = [tuple(itertools.islice(flat, rank)) for rank in ranks]
-        return cls(shapes, dtypes, nbytes, devices, rest)
-
-
-_last_packed: tuple[TensorMetas | None, bytes] = (None, b"")
-
-
-class Described(NamedTuple):
-    """What ``describe_all`` read: the metas, and for plain torch tensors read by
-    the native helper what export needs besides, read in the same loop: each
-    tensor's address (None unless all are contiguous) and version counter."""
-
-    metas: TensorMetas
-    addresses: np.ndarray | None = None
-    versions: list[int] | None = None
+        shapes, index, dtypes, nbytes, devices, rest = pickle.loads(compression.unpack(blob))
+        return cls(list(map(shapes.__getitem__, index)), dtypes, nbytes, devices, rest)
 
 
 def describe_all(
     originals: list[Any], tensors: list[torch.Tensor], plain: bool = False
-) -> Described:
+) -> TensorMetas:
     """``describe`` each (original, torch view) pair; plain torch tensors in bulk
     (``plain``: the caller knows every original is one)."""
     if not plain and not all([type(o) is torch.Tensor for o in originals]):
-        return Described(
-            TensorMetas.of(describe(o, t) for o, t in zip(originals, tensors, strict=True))
-        )
-    facts = native.facts(tensors)
-    if facts is not None:
-        return _described_natively(tensors, facts)
+        return TensorMetas.of(describe(o, t) for o, t in zip(originals, tensors, strict=True))
     # One pass per attribute: an object of thousands of tensors pays C calls, not
     # a Python function call per tensor. Shapes stay torch.Size (a tuple): ``pack``
-    # flattens them.
-    return Described(
-        TensorMetas(
-            [t.shape for t in tensors],
-            [DTYPE_NAMES[t.dtype] for t in tensors],
-            [t.nbytes for t in tensors],
-            device_types(tensors),
-            _grad_rest([t.requires_grad for t in tensors]),
-        )
+    # sends each distinct one once, as a plain tuple.
+    grads = [t.requires_grad for t in tensors]
+    return TensorMetas(
+        [t.shape for t in tensors],
+        [DTYPE_NAMES[t.dtype] for t in tensors],
+        [t.nbytes for t in tensors],
+        device_types(tensors),
+        [(KIND_TORCH, g, False, None) for g in grads] if any(grads) else None,
     )
-
-
-def _described_natively(tensors: list[torch.Tensor], facts: native.Facts) -> Described:
-    dtypes, devices = named_columns(facts, tensors)
-    grads = (facts.flags & native.REQUIRES_GRAD).astype(bool).tolist()
-    metas = TensorMetas(facts.shapes, dtypes, facts.nbytes, devices, _grad_rest(grads))
-    addresses = facts.addresses if facts.all(native.CONTIGUOUS) else None
-    return Described(metas, addresses, facts.versions)
-
-
-def _grad_rest(grads: list[bool]) -> list[tuple[int, bool, bool, str | None]] | None:
-    """The ``rest`` column of plain torch tensors with these grad flags (None: all plain)."""
-    return [(KIND_TORCH, g, False, None) for g in grads] if any(grads) else None
 
 
 def device_types(tensors: list[torch.Tensor]) -> list[str]:
     return ["cpu" if t.is_cpu else t.device.type for t in tensors]  # .device costs more
-
-
-def named_columns(facts: native.Facts, tensors: list[torch.Tensor]) -> tuple[list[str], list[str]]:
-    """The dtype names and device types of tensors the native helper read."""
-    dtypes = list(map(DTYPE_NAMES.__getitem__, facts.dtypes))
-    return dtypes, ["cpu"] * len(tensors) if facts.all(native.CPU) else device_types(tensors)
 
 
 def describe(obj: Any, tensor: torch.Tensor) -> TensorMeta:
@@ -428,7 +376,8 @@ def tensors_from_arena(arena: torch.Tensor, metas: TensorMetas, offsets: list[in
     an object of thousands of tensors pays one call each, not three."""
     typed: dict[str, tuple[Any, int]] = {}  # dtype name -> (the arena's as_strided, size)
     out: list[Any] = []
-    strides = contiguous_strides
+    # Once per distinct shape: a model repeats a few shapes many times.
+    strides = {shape: contiguous_strides(shape) for shape in set(metas.shapes)}
     for shape, dtype, nbytes, off in zip(
         metas.shapes, metas.dtypes, metas.nbytes, offsets, strict=True
     ):
@@ -439,7 +388,7 @@ def tensors_from_arena(arena: torch.Tensor, metas: TensorMetas, offsets: list[in
         if view is None:  # slots are 64-byte aligned, so every offset is a whole element
             as_dtype = arena.view(torch_dtype(dtype))
             view = typed[dtype] = (as_dtype.as_strided, as_dtype.element_size())
-        out.append(view[0](shape, strides(shape), off // view[1]))
+        out.append(view[0](shape, strides[shape], off // view[1]))
     if metas.rest is None:
         return out
     return [
@@ -448,9 +397,8 @@ def tensors_from_arena(arena: torch.Tensor, metas: TensorMetas, offsets: list[in
     ]
 
 
-@functools.lru_cache(maxsize=4096)
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major strides of ``shape`` (kept: a model repeats a few shapes many times)."""
+    """Row-major strides of ``shape``."""
     strides = [1] * len(shape)
     for i in range(len(shape) - 2, -1, -1):
         strides[i] = strides[i + 1] * shape[i + 1]

@@ -41,7 +41,6 @@ from typing import Any
 import ray
 import torch
 
-from raydirect import _native as native
 from raydirect import _ray
 from raydirect._collector import collector_paused
 from raydirect._layouts import (
@@ -64,7 +63,6 @@ from raydirect.transports.registry import AUTO, check_name
 Blocks = Callable[[str, tuple[int, ...]], "tuple[int, int] | None"]
 Placement = Callable[[str, tuple[int, ...]], Any]
 # Names, shapes and dtypes of a source as a publish saw them.
-_Seen = tuple[tuple[str, ...], list[tuple[int, ...]], list[torch.dtype]]
 
 
 @dataclass
@@ -124,7 +122,6 @@ class WeightPublisher:
         self._transport = tensor_transport
         self._blocks = shard_blocks
         self._layout: WeightsLayout | None = None
-        self._seen: _Seen | None = None
         self._slots: list[_Slot] = []
         self._last: int | None = None
         self._lock = threading.Lock()
@@ -149,10 +146,10 @@ class WeightPublisher:
             with collector_paused():  # thousands of shapes compared
                 layout = self._layout_of(state)
             if self._depth == 0:
-                value = [local_of(state[name]) for name in layout.names]
+                value = self._locals([state[name] for name in layout.names])
             else:
                 slot = self._free_slot(layout, timeout)
-                sources = [local_of(state[name]) for name in layout.names]
+                sources = self._locals([state[name] for name in layout.names])
                 if layout.blocks:
                     sources = [blocked_source(t, layout.block_of(i)) for i, t in enumerate(sources)]
                 with torch.no_grad():  # one call for every tensor; casts where dtype= says
@@ -165,18 +162,14 @@ class WeightPublisher:
 
     def _layout_of(self, state: dict[str, torch.Tensor]) -> WeightsLayout:
         names = tuple(state)
-        tensors = [local_of(t) for t in state.values()]
-        # What the source looked like at the last publish, compared as torch's own
-        # objects: 5,000 tensors cost a millisecond, not the eight of building tuples.
-        seen = _shapes_and_dtypes(names, tensors)
-        if self._layout is not None and seen == self._seen:
-            return self._layout  # a shard's box changes only with its shape
-        self._seen = seen
+        tensors = self._locals(list(state.values()))
         shapes = tuple(tuple(t.shape) for t in tensors)
         dtypes = tuple(self._published_dtype(t) for t in tensors)
-        placed = self._boxes_of(state)
-        global_shapes = tuple(g for g, _ in placed) if self._sharded else ()
-        starts = tuple(a for _, a in placed) if self._sharded else ()
+        global_shapes: tuple[tuple[int, ...], ...] = ()
+        starts: tuple[tuple[int, ...], ...] = ()
+        if self._sharded:  # a single-rank publisher pays nothing for this
+            placed = self._boxes_of(state)
+            global_shapes, starts = tuple(g for g, _ in placed), tuple(a for _, a in placed)
         old = self._layout
         new = (names, shapes, dtypes, global_shapes, starts)
         if old is not None and new == (
@@ -215,6 +208,10 @@ class WeightPublisher:
             starts,
         )
         return self._layout
+
+    def _locals(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The memory this rank holds of each: DTensors' local shards."""
+        return [local_of(t) for t in tensors] if self._has_dtensors else tensors
 
     @property
     def _sharded(self) -> bool:
@@ -280,14 +277,6 @@ class WeightPublisher:
                 "handles of earlier versions are alive somewhere (a consumer, a pending task, "
                 "a variable). Drop them once loaded, raise depth, or pass a larger timeout"
             ) from None
-
-
-def _shapes_and_dtypes(names: tuple[str, ...], tensors: list[torch.Tensor]) -> _Seen:
-    plain = all([type(t) is torch.Tensor or type(t) is torch.nn.Parameter for t in tensors])
-    facts = native.facts(tensors) if plain else None
-    if facts is not None:
-        return (names, facts.shapes, facts.dtypes)
-    return (names, [t.shape for t in tensors], [t.dtype for t in tensors])
 
 
 def _slot_offsets(

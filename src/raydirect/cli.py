@@ -1,4 +1,4 @@
-"""The ``raydirect`` command: demo, status, bench, native."""
+"""The ``raydirect`` command: demo, status, bench."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 
@@ -44,27 +43,6 @@ def _bench(args: argparse.Namespace) -> int:
     return subprocess.call([sys.executable, str(script), *args.rest], env=os.environ.copy())
 
 
-def _native(args: argparse.Namespace) -> int:
-    from raydirect import _native
-
-    started = time.monotonic()
-    print(f"building raydirect's native helper into {_native.build_dir()} ...", flush=True)
-    try:
-        path = _native.build(verbose=args.verbose)
-    except Exception as exc:
-        print(
-            f"raydirect native: the build failed ({type(exc).__name__}: {exc}). It needs a C++ "
-            "compiler (g++) and Python's headers; raydirect works without it.",
-            file=sys.stderr,
-        )
-        return 1
-    print(
-        f"built {path} in {time.monotonic() - started:.0f} s; processes started with "
-        f"{_native.NATIVE_ENV}=1 use it"
-    )
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="raydirect", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -81,13 +59,6 @@ def main(argv: list[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="benchmarks against Ray's object store and RDT")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="arguments for benchmarks/bench.py")
     bench.set_defaults(func=_bench)
-    native = sub.add_parser(
-        "native",
-        help="build the optional native helper that RAYDIRECT_NATIVE=1 uses "
-        "(tensor metadata of thousands of tensors read in one C++ loop)",
-    )
-    native.add_argument("--verbose", action="store_true", help="show the compiler's output")
-    native.set_defaults(func=_native)
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["bench"]:  # every option, --help included, belongs to bench.py
         return _bench(argparse.Namespace(rest=argv[1:]))

@@ -294,9 +294,7 @@ class CmaTransport(ByteTransport):
     ) -> None:
         # A pid names the producer only while it runs: a reused pid is another process.
         link.check_alive()
-        packed = extra["ptrs"]
-        # A weight subscriber reads the same ranges of the same slots every step.
-        spans = ranges.memo(("cma", packed), lambda: _Spans(*ranges.runs(_addresses(packed))))
+        spans = _Spans(*ranges.runs(_addresses(extra["ptrs"])))
         read_remote(link.producer.pid, spans, link)
 
 
