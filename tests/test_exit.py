@@ -50,15 +50,16 @@ def _hooks_done(marks_dir: Path, pid: int) -> dict[str, float] | None:
 def _start_driver(marks_dir: Path) -> tuple[subprocess.Popen[str], list[str]]:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = os.pathsep.join([str(DRIVER.parent), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(
-        [sys.executable, str(DRIVER), str(marks_dir)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=open(marks_dir / "driver.log", "w"),  # noqa: SIM115 (the child owns it)
-        text=True,
-        env=env,
-        start_new_session=True,
-    )
+    with open(marks_dir / "driver.log", "w") as log:  # the child keeps its own copy
+        proc = subprocess.Popen(
+            [sys.executable, str(DRIVER), str(marks_dir)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
     lines: list[str] = []
     assert proc.stdout is not None
     stdout = proc.stdout
@@ -71,12 +72,15 @@ def test_exit_hooks_wait_on_a_gone_cluster_at_most_a_second(tmp_path):
     info: dict[str, Any] = {}
     try:
         line = wait_for(
-            lambda: next((x for x in lines if x.startswith("@@RD ")), None) or proc.poll(),
+            lambda: (
+                next((x for x in lines if x.startswith("@@RD ")), None)
+                or (proc.poll() is not None and f"exited with {proc.returncode}")
+            ),
             timeout=300,
             what="the driver's cluster, actor and announcements",
         )
-        assert isinstance(line, str), (tmp_path / "driver.log").read_text()[-3000:]
-        info.update(json.loads(line[len("@@RD ") :]))
+        assert str(line).startswith("@@RD "), (tmp_path / "driver.log").read_text()[-3000:]
+        info.update(json.loads(str(line)[len("@@RD ") :]))
         os.kill(info["gcs"], signal.SIGKILL)  # the cluster is gone for both processes
 
         # The actor, ended by a signal (as a raylet ends its workers).
