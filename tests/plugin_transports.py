@@ -109,6 +109,17 @@ class FailingPrepareTransport(PickleShmTransport):
         raise OSError("no space left for the staging copy")
 
 
+class LyingDeviceTransport(PickleShmTransport):
+    """Says its tensors are on cuda, whatever its registration and the tensors
+    say (as Ray's InvalidDeviceSharedMemoryTransport). Its receive would work:
+    only raydirect's check can stop it."""
+
+    def extract_tensor_transport_metadata(self, obj_id, tensors):
+        meta = super().extract_tensor_transport_metadata(obj_id, tensors)
+        meta.tensor_device = "cuda"
+        return meta
+
+
 class NotATransport:
     pass
 

@@ -101,8 +101,10 @@ def test_bad_input_is_refused_with_the_fix(trio):
         rd.create_collective_group([a, b], backend="mpi")
     with pytest.raises(ValueError, match="exists; destroy it first"):
         rd.create_collective_group([a, c], backend="gloo", name="ab")
-    with pytest.raises(ValueError, match="two or more actor handles"):
-        rd.create_collective_group([a], backend="gloo")
+    with pytest.raises(ValueError, match="one or more actor handles"):
+        rd.create_collective_group([], backend="gloo")
+    with pytest.raises(ValueError, match="one or more actor handles"):
+        rd.create_collective_group([a, "not an actor"], backend="gloo")
 
 
 def test_application_error_leaves_the_group_intact(trio):

@@ -21,6 +21,7 @@ from plugin_transports import (
     BrokenRecvTransport,
     FailingPrepareTransport,
     GatedPrepareTransport,
+    LyingDeviceTransport,
     NotATransport,
     NumpyShmTransport,
     PickleShmTransport,
@@ -206,6 +207,29 @@ def test_a_failed_background_preparation_reaches_the_consumer(actors_first):
     assert "preparing it for failing_prepare failed" in error
     assert "no space left for the staging copy" in error
     assert ray.get(p.pid.remote()) > 0
+
+
+def test_metadata_on_a_device_the_registration_lacks_is_refused_before_receiving(actors_first):
+    """Ray's test_async_metadata_extraction_validates_tensor_device: registered for
+    cpu, the plug-in's metadata says cuda. The receive would succeed; the check
+    above the plug-in refuses first, naming the device and the registration."""
+    p, c = actors_first
+    rd.register_tensor_transport("lying", ["cpu"], LyingDeviceTransport, np.ndarray, replace=True)
+    [ref] = ray.get(p.put.remote("numpy", "lying"))
+    message = ray.get(c.try_get.remote([ref]))
+    assert message.startswith("TransferError"), message
+    assert "tensor_device='cuda'" in message and "does not support 'cuda'" in message
+    assert "registered for cpu (rd.register_tensor_transport('lying', ['cpu'], ...))" in message
+    with pytest.raises(ray.exceptions.RaySystemError, match="does not support"):
+        ray.get(ref)  # the driver, as in Ray's test
+    assert received(c, "lying") == 0
+    # Registered for cuda too, the metadata still disagrees with the cpu tensors.
+    rd.register_tensor_transport("lying2", ["cpu", "cuda"], LyingDeviceTransport, replace=True)
+    [ref] = ray.get(p.put.remote("dtypes", "lying2"))
+    message = ray.get(c.try_get.remote([ref]))
+    assert message.startswith("TransferError") and "the object's tensors are on cpu" in message
+    assert received(c, "lying2") == 0
+    assert ray.get(c.check.remote("dtypes", p.value_plugin.remote("dtypes"))) is None
 
 
 # ---------------------------------------------------------------- two-sided

@@ -146,15 +146,13 @@ def create_collective_group(
     rendezvous store. An actor may be in several groups (under different
     names). Returns the group's name. ``timeout`` bounds the setup and every
     later transfer that would otherwise wait on a silent member.
+
+    A group of one actor is a group, as in Ray: its member may then return
+    objects for the group's transport. It reads them itself as the very
+    tensors it returned (same process, no copy), and every other process reads
+    them over ``tcp``, the fallback for non-members.
     """
-    if backend not in _groups.BACKENDS:
-        raise ValueError(f"unknown collective backend {backend!r}; use one of {_groups.BACKENDS}")
-    actors = list(actors)
-    if len(actors) < 2 or not all(isinstance(a, ray.actor.ActorHandle) for a in actors):
-        raise ValueError("create_collective_group needs a list of two or more actor handles")
-    ids = [_ray.actor_id_of(a) for a in actors]
-    if len(set(ids)) != len(ids):
-        raise ValueError("an actor appears twice in the group")
+    actors = _checked(actors, backend)
     name = name or f"group-{secrets.token_hex(4)}"
     if _ray.group_record(name) is not None:
         raise ValueError(
@@ -189,6 +187,22 @@ def create_collective_group(
         ).encode(),
     )
     return name
+
+
+def _checked(actors: Sequence[Any], backend: str) -> list[Any]:
+    """``actors`` as a list, once they can form a group of ``backend``."""
+    if backend not in _groups.BACKENDS:
+        raise ValueError(f"unknown collective backend {backend!r}; use one of {_groups.BACKENDS}")
+    actors = list(actors)
+    if not actors or not all(isinstance(a, ray.actor.ActorHandle) for a in actors):
+        raise ValueError(
+            "create_collective_group needs a list of one or more actor handles "
+            "(ActorClass.remote() results)"
+        )
+    ids = [_ray.actor_id_of(a) for a in actors]
+    if len(set(ids)) != len(ids):
+        raise ValueError("an actor appears twice in the group")
+    return actors
 
 
 def _leave_all(actors: Sequence[Any], name: str, generation: str) -> None:

@@ -33,6 +33,7 @@ from raydirect._store import store
 from raydirect._tensors import finish
 from raydirect.errors import ProducerLostError, TransferError
 from raydirect.transports.base import PeerMetadata, TensorTransportManager
+from raydirect.transports.registry import registration
 
 log = logging.getLogger("raydirect")
 _SLICE_S = 0.02  # how often a two-sided receive looks at the agent's channel
@@ -48,6 +49,7 @@ def receive(
     """The object's tensors received over plug-in ``name``; ``meta`` is what the
     producer extracted. ``TransferError`` naming the transport on failure."""
     who = payload.producer.describe()
+    check_device(name, meta, payload)
     comm: Any = None
     try:
         if transport.is_one_sided():
@@ -80,6 +82,37 @@ def receive(
         finish(t, m) if isinstance(t, torch.Tensor) else t
         for t, m in zip(tensors, payload.metas, strict=True)
     ]
+
+
+def check_device(name: str, meta: Any, payload: Payload) -> None:
+    """Refuse, before anything is received, metadata whose ``tensor_device`` the
+    plug-in was not registered for, or that is not where the object's tensors
+    are: a receive set up for the wrong device would otherwise fail later, inside
+    the plug-in, with an error that says nothing of the cause (or succeed on a
+    device the registration never promised). ``TransferError`` naming the
+    device, the registration and the fix; nothing is asked of the producer."""
+    device = getattr(meta, "tensor_device", None)
+    if device is None:  # the plug-in does not say: nothing to check
+        return
+    kind = str(device).split(":", 1)[0]
+    devices = registration(name).devices
+    said = (
+        f"plug-in transport {name!r} reported tensor_device={str(device)!r} in the metadata its "
+        f"extract_tensor_transport_metadata made for the object of {payload.producer.describe()}"
+    )
+    if kind not in devices:
+        raise TransferError(
+            f"{said}, but it does not support {kind!r}: it was registered for "
+            f"{'/'.join(devices)} (rd.register_tensor_transport({name!r}, {list(devices)}, ...)). "
+            f"Register it for {kind!r} too (replace=True), or make "
+            "extract_tensor_transport_metadata report the device its tensors are on"
+        )
+    actual = set(payload.metas.devices)
+    if actual and actual != {kind}:
+        raise TransferError(
+            f"{said}, but the object's tensors are on {'/'.join(sorted(actual))}: make "
+            "extract_tensor_transport_metadata report the device its tensors are on"
+        )
 
 
 def encoded_comm(comm: Any) -> dict[str, Any]:

@@ -88,11 +88,33 @@ def publish_agent(key: str, info: bytes) -> None:
     internal_kv._internal_kv_put(_AGENT_KEY_PREFIX + key.encode(), info, overwrite=True)
 
 
-def withdraw_agent(key: str) -> None:
+# How long a call made while the process exits may wait on the GCS. Ray's GCS
+# client waits up to 60 s (``gcs_rpc_server_reconnect_timeout_s``) for a GCS that
+# is gone to come back, and a process whose cluster was shut down under it
+# (its parent pid now 1) would sit that long in an exit hook, holding its memory.
+EXIT_TIMEOUT_S = 1.0
+
+
+def withdraw_agent(key: str, timeout: float | None = None) -> None:
+    """Remove an agent's announcement; waits at most ``timeout`` seconds on the
+    GCS (``ray.exceptions.RpcError`` past it). Nothing to do when this process is
+    no longer connected (``ray.shutdown()`` ran)."""
     from ray.experimental import internal_kv
 
-    if internal_kv._internal_kv_initialized():
-        internal_kv._internal_kv_del(_AGENT_KEY_PREFIX + key.encode())
+    client = internal_kv.internal_kv_get_gcs_client()
+    if client is not None:
+        client.internal_kv_del(_AGENT_KEY_PREFIX + key.encode(), False, None, timeout=timeout)
+
+
+def actor_process(actor_id: str) -> tuple[str, int] | None:
+    """``(state, pid)`` of an actor in Ray's actor table (state ``ALIVE``,
+    ``RESTARTING``, ``DEAD``, ...); None when Ray does not know the actor."""
+    from ray._private import state
+
+    info = state.actors(actor_id)
+    if not info:
+        return None
+    return str(info["State"]), int(info["Pid"])
 
 
 def published_agents() -> dict[str, bytes]:

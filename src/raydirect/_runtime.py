@@ -57,6 +57,7 @@ def _announce(server: Server, label: str | None, encryption: str) -> None:
     info = {
         "address": server.address,
         "pid": _process.PID,
+        "start_time": _process.START_TIME,  # with the pid: this process, not a reuse
         "node_id": _ray.node_id(),
         "actor_id": _ray.current_actor_id(),
         "label": label or _ray.current_task_label(),
@@ -70,8 +71,16 @@ def _announce(server: Server, label: str | None, encryption: str) -> None:
 
 
 def _withdraw(key: str, pid: int) -> None:
-    if pid == os.getpid():  # a forked child exits without withdrawing its parent
-        _ray.withdraw_agent(key)
+    """At exit: withdraw this agent's announcement, waiting on the GCS no longer
+    than ``_ray.EXIT_TIMEOUT_S``. A cluster that is gone cannot be told; the
+    announcement it would have held is gone with it, or pruned by ``raydirect
+    status`` once it finds the process dead."""
+    if pid != os.getpid():  # a forked child exits without withdrawing its parent
+        return
+    try:
+        _ray.withdraw_agent(key, timeout=_ray.EXIT_TIMEOUT_S)
+    except Exception:  # the GCS is gone or slow: exit anyway, promptly
+        log.debug("raydirect: could not withdraw the agent at exit", exc_info=True)
 
 
 def _serve_stats(request: dict[str, Any], reply: Reply) -> None:

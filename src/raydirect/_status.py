@@ -1,31 +1,113 @@
-"""``raydirect status``: objects and bytes held per process, and transfer counters."""
+"""``raydirect status``: objects and bytes held per process, and transfer counters.
+
+Every process that uses raydirect announces its agent in Ray's key-value store
+and withdraws it at exit. A process that could not withdraw (killed, or its
+exit found the GCS gone and gave up after a second) leaves a stale
+announcement; ``collect`` prunes those instead of listing them: a process on
+this node whose pid and start time no longer run, one whose node is gone, an
+actor Ray reports dead or restarted in another process, or one that does not
+answer and cannot be shown alive. A process shown alive that does not answer
+is listed as not answering and kept.
+"""
 
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from typing import Any
 
-from raydirect import _channel, _ray, _wire
+import ray
+
+from raydirect import _channel, _process, _ray, _wire
+
+_ASKED_AT_ONCE = 16
 
 
-def collect(timeout: float = 2.0) -> list[dict[str, Any]]:
-    """One row per announced agent in the connected cluster; unreachable ones
-    (processes that died without withdrawing) are reported and withdrawn."""
-    rows = []
-    for key, raw in sorted(_ray.published_agents().items()):
-        info = json.loads(raw)
-        try:
-            info["stats"] = dict(
-                _channel.request(info["address"], {"op": _wire.STATS}, timeout)["stats"]
-            )
-            info["reachable"] = True
-        except Exception as exc:
-            info["stats"] = None
-            info["reachable"] = False
-            info["error"] = str(exc)
-            _ray.withdraw_agent(key)
-        rows.append(info)
-    return rows
+@dataclass
+class Status:
+    """What ``collect`` found: ``processes`` (one row per live announced agent;
+    ``reachable`` False for one alive but not answering) and ``pruned`` (stale
+    announcements withdrawn now, each with its ``reason``)."""
+
+    processes: list[dict[str, Any]] = field(default_factory=list)
+    pruned: list[dict[str, Any]] = field(default_factory=list)
+
+
+def collect(timeout: float = 2.0) -> Status:
+    """Ask every announced agent in the connected cluster for its counters, at
+    once (``timeout`` each); prune the announcements of processes that are gone."""
+    announced = {k: json.loads(raw) for k, raw in sorted(_ray.published_agents().items())}
+    nodes = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    here = _ray.node_id()
+    status = Status()
+    asked = {}
+    for key, info in announced.items():
+        reason = _gone(info, nodes, here)
+        if reason is None:
+            asked[key] = info
+        else:
+            status.pruned.append(_pruned(key, info, reason))
+    with ThreadPoolExecutor(max(1, min(_ASKED_AT_ONCE, len(asked)))) as pool:
+        answers = dict(
+            zip(asked, pool.map(lambda i: _ask(i, timeout), asked.values()), strict=True)
+        )
+    for key, info in asked.items():
+        stats, error = answers[key]
+        info.update(stats=stats, reachable=stats is not None)
+        if stats is not None:
+            status.processes.append(info)
+        elif _shown_alive(info, here):
+            status.processes.append({**info, "error": error})
+        else:
+            status.pruned.append(_pruned(key, info, f"did not answer within {timeout:g} s"))
+    return status
+
+
+def _ask(info: dict[str, Any], timeout: float) -> tuple[dict[str, Any] | None, str]:
+    try:
+        reply = _channel.request(info["address"], {"op": _wire.STATS}, timeout)
+        return dict(reply["stats"]), ""
+    except Exception as exc:
+        return None, str(exc)
+
+
+def _gone(info: dict[str, Any], nodes: set[str], here: str) -> str | None:
+    """Why the announcing process is known to be gone, without asking it; None
+    when it may live."""
+    pid = int(info.get("pid", 0))
+    if info.get("node_id") not in nodes:
+        return "its node left the cluster"
+    if info.get("node_id") == here and not _runs_here(info):
+        return f"process {pid} exited"
+    actor_id = info.get("actor_id")
+    if actor_id:
+        found = _ray.actor_process(actor_id)
+        if found is None or found[0] == "DEAD":
+            return "its actor is dead"
+        if found[0] == "ALIVE" and found[1] != pid:
+            return f"its actor restarted in process {found[1]}"
+    return None
+
+
+def _runs_here(info: dict[str, Any]) -> bool:
+    pid, start_time = int(info.get("pid", 0)), info.get("start_time")
+    if start_time is None:  # announced by an older raydirect: the pid alone
+        return _process.start_time_of(pid) != 0
+    return _process.process_alive(pid, int(start_time))
+
+
+def _shown_alive(info: dict[str, Any], here: str) -> bool:
+    if info.get("node_id") == here:
+        return _runs_here(info)
+    actor_id = info.get("actor_id")
+    found = _ray.actor_process(actor_id) if actor_id else None
+    return found is not None and found[0] == "ALIVE" and found[1] == int(info.get("pid", 0))
+
+
+def _pruned(key: str, info: dict[str, Any], reason: str) -> dict[str, Any]:
+    _ray.withdraw_agent(key)
+    return {**info, "reason": reason}
 
 
 def _human(n: int) -> str:
@@ -71,35 +153,39 @@ def totals(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     return dict(sorted(out.items()))
 
 
-def format_table(rows: list[dict[str, Any]]) -> str:
+def _name(row: dict[str, Any]) -> str:
+    name = str(row.get("label") or "?")
+    return f"{name} [{row['actor_id'][:8]}]" if row.get("actor_id") else name
+
+
+def _node(row: dict[str, Any]) -> str:
+    endpoint = str(row.get("address", "")).removeprefix("tcp://").partition("/")[0]
+    return endpoint.rsplit(":", 1)[0]  # tcp://ip:port/curve/<key>[/tls/<pin>]
+
+
+def format_table(status: Status) -> str:
     """Per process: what it holds; under it, one line per transport with objects /
-    bytes held, sent and received. Then the same per transport for the cluster."""
-    head = (
-        f"{'process':<40} {'node':<15} {'pid':>7} {'objects':>8} {'bytes':>11} {'encryption':>10}"
-    )
+    bytes held, sent and received. Then the same per transport for the cluster,
+    and a note on the stale announcements pruned."""
+    rows = status.processes
     sub = f"    {'transport':<12} {'held':>20} {'sent':>20} {'received':>20}"
-    lines = [head, sub]
+    head = f"{'process':<40} {'node':<15} {'pid':>7} {'objects':>8} {'bytes':>11}"
+    lines = [f"{head} {'encryption':>10}", sub]
     for row in rows:
-        name = row.get("label") or "?"
-        if row.get("actor_id"):
-            name = f"{name} [{row['actor_id'][:8]}]"
-        node = str(row.get("address", "")).removeprefix("tcp://").partition("/")[0]
-        node = node.rsplit(":", 1)[0]
+        who = f"{_name(row)[:40]:<40} {_node(row):<15} {row['pid']:>7}"
         stats = row["stats"]
         if stats is None:
-            lines.append(f"{name[:40]:<40} {node:<15} {row['pid']:>7}  unreachable (withdrawn)")
+            lines.append(f"{who}  alive, not answering")
             continue
         encryption = stats.get("encryption") or row.get("encryption") or "none"
         lines.append(
-            f"{name[:40]:<40} {node:<15} {row['pid']:>7} {stats['num_objects']:>8} "
-            f"{_human(stats['num_bytes']):>11} {encryption:>10}"
+            f"{who} {stats['num_objects']:>8} {_human(stats['num_bytes']):>11} {encryption:>10}"
         )
         for transport in _transports(stats):
             cells = [_cell(stats, o, b, transport) for _, o, b in _COUNTS]
             lines.append(f"    {transport:<12} " + " ".join(f"{c:>20}" for c in cells))
     if not rows:
-        lines = ["(no process has used raydirect in this cluster yet)"]
-        return "\n".join(lines)
+        lines = ["(no live process has used raydirect in this cluster)"]
     summed = totals(rows)
     if summed:
         lines += ["", "all processes, per transport (objects / bytes):", sub]
@@ -109,4 +195,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
                 for _, o, b in _COUNTS
             ]
             lines.append(f"    {transport:<12} " + " ".join(f"{c:>20}" for c in cells))
+    if status.pruned:
+        lines += [
+            "",
+            f"pruned {len(status.pruned)} stale announcement(s) of processes that "
+            "ended without withdrawing:",
+        ]
+        for row in status.pruned:
+            who = f"{_name(row)[:40]:<40} {_node(row):<15} {row['pid']:>7}"
+            lines.append(f"    {who}  {row['reason']}")
     return "\n".join(lines)

@@ -23,11 +23,16 @@ def _status(args: argparse.Namespace) -> int:
     from raydirect._status import collect, format_table, totals
 
     ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
-    rows = collect()
+    status = collect()
     if args.json:
-        print(json.dumps({"processes": rows, "transports": totals(rows)}, indent=2))
+        out = {
+            "processes": status.processes,
+            "transports": totals(status.processes),
+            "pruned": status.pruned,
+        }
+        print(json.dumps(out, indent=2))
     else:
-        print(format_table(rows))
+        print(format_table(status))
     return 0
 
 
