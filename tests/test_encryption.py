@@ -17,7 +17,7 @@ import ray
 import torch
 
 import raydirect as rd
-from raydirect import _consumer, _process, _runtime, _tls, _wire
+from raydirect import _choice, _process, _runtime, _tls, _wire
 from raydirect._payload import Payload, ProducerInfo
 from raydirect._tensors import TensorMetas
 
@@ -101,7 +101,7 @@ def test_auto_never_picks_a_clear_transport_across_nodes_under_encryption(monkey
         def reachable(self, extra) -> bool:
             return True
 
-    monkeypatch.setattr(_consumer, "transport_instance", lambda name: Reachable())
+    monkeypatch.setattr(_choice, "transport_instance", lambda name: Reachable())
     monkeypatch.setenv(_tls.ENCRYPT_ENV, "0")
 
     def payload(address: str, transport: str = "auto") -> Payload:
@@ -119,14 +119,14 @@ def test_auto_never_picks_a_clear_transport_across_nodes_under_encryption(monkey
     key = "ab" * 32
     clear = f"tcp://10.0.0.2:5000/curve/{key}"
     sealed = f"{clear}/tls/{'cd' * 32}"
-    assert _consumer._choose_auto(payload(clear), same_node=False) == "gloo"
-    assert _consumer._choose_auto(payload(sealed), same_node=False) == "tcp"
+    assert _choice._choose_auto(payload(clear), same_node=False) == "gloo"
+    assert _choice._choose_auto(payload(sealed), same_node=False) == "tcp"
     monkeypatch.setenv(_tls.ENCRYPT_ENV, "1")  # this process encrypts: the same
-    assert _consumer._choose_auto(payload(clear), same_node=False) == "tcp"
-    monkeypatch.setattr(_consumer, "_ray", type("R", (), {"node_id": staticmethod(lambda: "here")}))
-    _consumer._logged_fallbacks.discard(("clear", "gloo"))
+    assert _choice._choose_auto(payload(clear), same_node=False) == "tcp"
+    monkeypatch.setattr(_choice, "_ray", type("R", (), {"node_id": staticmethod(lambda: "here")}))
+    _choice._logged_fallbacks.discard(("clear", "gloo"))
     with caplog.at_level("WARNING", logger="raydirect"):
         for _ in range(3):
-            _consumer.choose_transport(payload(sealed, "gloo"), None)
+            _choice.choose_transport(payload(sealed, "gloo"), None)
     warned = [r for r in caplog.records if "in clear" in r.getMessage()]
     assert len(warned) == 1 and "'gloo'" in warned[0].getMessage()

@@ -21,6 +21,7 @@ from ray import cloudpickle
 
 import raydirect as rd
 from raydirect._consumer import _FETCH_THREADS
+from raydirect._stream_client import _IDLE_PER_PRODUCER
 
 from actors import Producer, check_value
 from helpers import shm_segments, wait_for
@@ -89,12 +90,14 @@ def _fd_targets(pid: int) -> dict[str, str]:
 
 # Caches that a second round may still fill even after a full warm-up round, as
 # work lands on other threads: a consumer's fetch threads (and its own) each keep a
-# channel per producer (a DEALER, its monitor pair and a TCP socket: 4 fds); a
-# producer's agent has up to 4 serving threads, each with one socket. Anything
-# beyond this is a leak (the soak test checks that nothing grows over time).
+# channel per producer (a DEALER, its monitor pair and a TCP socket: 4 fds), and
+# pools idle stream connections (up to _IDLE_PER_PRODUCER per producer); a
+# producer's agent has up to 4 serving threads, each with one socket, and holds its
+# side of each consumer's pooled stream connections. Anything beyond this is a leak
+# (the soak test checks that nothing grows over time).
 CHANNEL_FDS = 4
-CONSUMER_HEADROOM = CHANNEL_FDS * (_FETCH_THREADS + 1) * 2
-PRODUCER_HEADROOM = 4
+CONSUMER_HEADROOM = CHANNEL_FDS * (_FETCH_THREADS + 1) * 2 + 2 * _IDLE_PER_PRODUCER
+PRODUCER_HEADROOM = 4 + CONSUMERS * _IDLE_PER_PRODUCER
 
 
 def _grown(fds: dict[int, dict[str, str]], headroom: dict[int, int]) -> dict[int, Any]:

@@ -324,10 +324,12 @@ class _Transfer:
         """A connection that accepted the window's request and is about to send it.
         One closed before it answered (a pooled one closed as idle, or one evicted
         for a newcomer) is replaced: the window had not begun."""
-        for attempt in range(_OPEN_ATTEMPTS):
+        fresh = 0  # new connections tried (pooled ones that turn out closed are free)
+        while True:
             link = _pool.take(self.peer)
             pooled = link is not None
             if link is None:
+                fresh += 1
                 link = self._connect()
             else:
                 self._track(link)
@@ -338,7 +340,7 @@ class _Transfer:
                 status = link.recv_exactly(1, self._check)[0]
             except ConnectionError:
                 self._drop(link)
-                if pooled or attempt + 1 < _OPEN_ATTEMPTS:
+                if pooled or fresh < _OPEN_ATTEMPTS:  # the pool only shrinks: bounded
                     continue
                 raise
             if status != OK:
@@ -347,7 +349,6 @@ class _Transfer:
                     f"{status}): its ticket expired or was already used; read it again"
                 )
             return link
-        raise ConnectionError("no connection to the producer's stream port")
 
     def receive(self, dests: list[memoryview], offset: int, length: int) -> None:
         """Receive bytes ``[offset, offset + length)`` of the transfer into ``dests``'
