@@ -25,7 +25,7 @@ from typing import Any
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from raydirect import _wire
+from raydirect import _process, _wire
 from raydirect.errors import ProducerLostError, RaydirectError, TransferError
 
 _HEARTBEAT_IVL_MS = 2000
@@ -284,6 +284,7 @@ def _forget_after_fork() -> None:
     # The cached sockets belong to the parent's ZeroMQ context, unusable here
     # (pyzmq makes the child a context of its own).
     global _channels
+    _process.keep_from_parent(_channels)
     _channels = _ChannelCache()
 
 

@@ -49,6 +49,17 @@ def _new_identity() -> None:
 
 os.register_at_fork(after_in_child=_new_identity)
 
+# What a forked child inherited of its parent's raydirect state, kept alive for
+# good: dropping it would run finalizers there (a NIXL agent's, a transport's
+# segment pool's, a socket's), which act on resources the parent still uses (a
+# CI run saw a NIXL agent's destructor crash the child).
+_inherited: list[object] = []
+
+
+def keep_from_parent(*objects: object) -> None:
+    """In a forked child: never destroy these (the parent's) objects here."""
+    _inherited.extend(objects)
+
 
 def allow_memory_reads() -> None:
     """Let same-user processes read our memory with process_vm_readv (the cma

@@ -94,6 +94,7 @@ _server.register(_wire.STATS, _serve_stats, needs_object=False, lane=CONTROL)
 def _forget_after_fork() -> None:
     # The agent's threads did not survive the fork; its sockets are the parent's.
     global _agent, _agent_lock
+    _process.keep_from_parent(_agent)
     _agent, _agent_lock = None, threading.Lock()
 
 

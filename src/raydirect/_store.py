@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from raydirect import _process
 from raydirect._ranges import ByteViews
 from raydirect._tensors import UNTRACKED, TensorMetas, storage_key
 
@@ -120,7 +121,8 @@ class Store:
         """In a forked child: the parent's objects are the parent's (their leases,
         segments and registrations too), so they are dropped unfreed; counters
         start again; the reaper thread did not survive."""
-        self._objects.clear()
+        _process.keep_from_parent(self._objects)
+        self._objects = {}
         self._lock = threading.Condition()
         self._holders.clear()
         self._nbytes = 0

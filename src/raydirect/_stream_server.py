@@ -57,6 +57,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
+from raydirect import _process
 from raydirect._frames import Link, secure_server
 from raydirect._tls import NONE, ServerSecurity
 
@@ -371,6 +372,7 @@ def _forget_after_fork() -> None:
     global _server, _server_lock
     if _server is not None:
         _server.close_listener()  # our copy of the descriptor
+    _process.keep_from_parent(_server)
     _server, _server_lock = None, threading.Lock()
 
 

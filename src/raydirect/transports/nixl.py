@@ -389,6 +389,7 @@ class NixlTransport(ByteTransport):
 
 def _forget_after_fork() -> None:
     global _api, _api_lock
+    _process.keep_from_parent(_api)
     _api, _api_lock = None, threading.Lock()  # the NIXL agent is the parent's
 
 

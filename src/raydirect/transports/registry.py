@@ -26,7 +26,7 @@ import ray
 import torch
 from ray import cloudpickle
 
-from raydirect import _ray
+from raydirect import _process, _ray
 from raydirect.errors import UnknownTransportError
 from raydirect.transports.base import TensorTransportManager
 
@@ -253,6 +253,7 @@ def _forget_after_fork() -> None:
     # Transport instances hold the parent's state (its shared-memory segments,
     # NIXL registrations): the child makes its own on first use.
     global _instances, _lock
+    _process.keep_from_parent(_instances)
     _instances, _lock = {}, threading.RLock()
 
 
