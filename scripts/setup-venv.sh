@@ -9,9 +9,12 @@ stamp="$venv/.raydirect-installed"
 if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
+# RAYDIRECT_TEST_NIXL=1 adds NIXL (the nixl extra) so the NIXL tests run too.
+extras="test"
+[ "${RAYDIRECT_TEST_NIXL:-0}" = "1" ] && extras="test,nixl" && stamp="$venv/.raydirect-installed-nixl"
 if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ]; then
   "$venv/bin/python" -m pip install -q --upgrade pip
   "$venv/bin/python" -m pip install -q "torch==2.13.0"
-  "$venv/bin/python" -m pip install -q -e "$here[test]"
+  "$venv/bin/python" -m pip install -q -e "$here[$extras]"
   touch "$stamp"
 fi

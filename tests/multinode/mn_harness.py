@@ -340,6 +340,9 @@ class Cluster:
             if k not in ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME") and not k.startswith("RAY_AUTH")
         }
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, PYTHONUNBUFFERED="1")
+        # The "nodes" are namespaces of one machine: UCX (NIXL, where installed) would
+        # see one host and use shared memory, never the links the tests measure.
+        env.setdefault("UCX_TLS", "tcp")
         env.update(extra)
         return env
 
