@@ -63,13 +63,19 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
         "gather to rank 0 with raydirect, then publish, depth=0",
         "torch.distributed all-gather (gloo), then publish",
         "floor: in-process copy of each worker's slice",
+        "floor: resharding's copies",
+        "floor: gather then publish's copies, shard_blocks",
+        "floor: resharding's copies, depth=0",
     ):
         assert (7, system) in systems, system
     for row in rows:
         if row["workload"] == 7 and not row["system"].startswith("floor"):
             assert row["param"] == "2 ranks -> 2 workers", row
             assert row["measured"]["worker bytes / slice"] <= 1.05, row
-    assert "| resharding / gather then publish (depth=0), at most 0.6x |" in done.stdout
+    # the resharding targets, each beside the ratio of the two systems' floors
+    target = "| resharding / gather then publish (depth=0), at most 0.6x | 2 ranks -> 2 workers |"
+    [line] = [x for x in done.stdout.splitlines() if x.startswith(target)]
+    assert line.split("|")[4].strip().endswith("x"), line
     # progress lines name workload, system and point
     assert "w2 raydirect auto @ 2 consumers" in done.stderr
     # one markdown table per workload on stdout
@@ -115,7 +121,8 @@ def test_weight_sync_targets_are_judged_beside_the_floor():
 
 def test_resharding_targets_compare_like_with_like():
     """Workload 7's summary: resharding's median over gather-then-publish's, each
-    publisher laid out alike, and the most any worker received over its slice."""
+    publisher laid out alike, beside the same ratio of their floors (where both
+    ran), and the most any worker received over its slice."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     from rdbench.common import Row
     from rdbench.reshard import (
@@ -126,6 +133,7 @@ def test_resharding_targets_compare_like_with_like():
         WORKER_BYTES,
         reshard_targets,
     )
+    from rdbench.reshard_floors import FLOOR_GATHER, FLOOR_RESHARD
 
     point = "2 ranks -> 2 workers"
 
@@ -138,14 +146,15 @@ def test_resharding_targets_compare_like_with_like():
     rows = [
         row(RESHARD, 70.0, 1.0),
         row(GATHER_PUBLISH, 100.0),  # 0.70x: missed
+        row(FLOOR_RESHARD, 40.0),
+        row(FLOOR_GATHER, 50.0),  # the floor's own: 0.80x
         row(f"{RESHARD}, {BLOCKS}", 50.0, 1.06),  # a worker read 6% more than its slice
         row(f"{GATHER_PUBLISH}, {BLOCKS}", 100.0),  # 0.50x: met
         row(f"{RESHARD}, {LIVE}", 40.0, 1.0),  # no gather-then-publish row: no ratio
     ]
     table = reshard_targets(rows).splitlines()
-    assert table[4] == (
-        f"| resharding / gather then publish (depth=2), at most 0.6x | {point} | 0.70x | - | no |"
-    )
+    what = "| resharding / gather then publish (depth=2), at most 0.6x"
+    assert table[4] == f"{what} | {point} | 0.70x | 0.80x | no |"
     assert table[5].endswith(f"(depth=2), at most 1.05x | {point} | 1.00x | - | yes |")
     assert table[6].endswith(f"(depth=2, {BLOCKS}), at most 0.6x | {point} | 0.50x | - | yes |")
     assert table[7].endswith(f"(depth=2, {BLOCKS}), at most 1.05x | {point} | 1.06x | - | no |")
@@ -154,6 +163,36 @@ def test_resharding_targets_compare_like_with_like():
     rows[0].error = "failed"  # a row that failed judges nothing
     assert len(reshard_targets(rows).splitlines()) == 7
     assert reshard_targets([]) == ""
+
+
+def test_resharding_floors_copy_what_each_system_copies():
+    """Workload 7's floors: each system's step is its copies and nothing else,
+    landing every worker's slice. Per byte of the state: resharding a snapshot and
+    the workers' reads (the reads alone at depth=0), gather then publish a gather
+    more; the slices' floor the reads alone. A floor that copied other bytes, or
+    left a worker's slice wrong, fails here."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from rdbench.common import layout_bytes, state_dict_layout
+    from rdbench.reshard_floors import SLICES_ONLY, Floors, floor_step
+
+    layout = state_dict_layout(1 << 20)
+    for n in (2, 4):
+        floors = Floors(layout, n)
+        state, slices = layout_bytes(layout), floors.slice_bytes()  # vectors: every worker's
+        expected = {
+            (SLICES_ONLY, "live"): slices,
+            ("reshard", "live"): slices,
+            ("gather", "live"): state + slices,
+            **{("reshard", s): state + slices for s in ("copy", "blocks")},
+            **{("gather", s): 2 * state + slices for s in ("copy", "blocks")},
+        }
+        for (system, slots), nbytes in expected.items():
+            pairs = floors.copies(system, slots)
+            assert sum(d.numel() * d.element_size() for d, _ in pairs) == nbytes, (system, slots)
+            for target in floors.targets:
+                for tensor in target.values():
+                    tensor.fill_(-1)
+            floor_step(floors, system, slots)(seed=7)  # checks every worker's slice
 
 
 def test_memo_gains_runs_and_names_what_is_kept_and_what_was_removed():

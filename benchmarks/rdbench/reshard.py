@@ -22,8 +22,11 @@ default; a point the machine's memory cannot hold is skipped, saying so):
 - all-gather then publish: every rank runs ``torch.distributed.all_gather_single``
   over gloo for each tensor (the trainer's own world), then rank 0 publishes
   the whole, as above;
-- the floor: one copy of each worker's slice, one after another, in one
-  process (the driver, one thread), from the whole model.
+- the floors (``reshard_floors``), in the driver on one thread: one copy of
+  each worker's slice from the whole model; and for resharding and gather then
+  publish with each layout, exactly the copies of that system's step, whose
+  ratio is the floor of the target "resharding at most 0.6x of gather then
+  publish" in the same run.
 
 Resharding and gather then publish run with each way a publisher can lay a
 version out, so that each pair compares like with like: ``depth=2`` (a snapshot
@@ -60,11 +63,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-import torch
 
 from rdbench.common import (
-    DTYPE,
-    ELEMENT_BYTES,
     GROUP_FLOORS,
     GROUP_RAYDIRECT,
     MALLOC_HUGE_PAGES,
@@ -74,7 +74,6 @@ from rdbench.common import (
     Layout,
     Row,
     describe_error,
-    fill_layout,
     format_size,
     layout_bytes,
     log,
@@ -83,20 +82,20 @@ from rdbench.common import (
 from rdbench.fleet import Context, skip
 from rdbench.report import TargetLine, render_targets
 from rdbench.reshard_actors import TrainerRank, Worker
-from rdbench.shards import columns_of, shard_bytes, sharded_shape
+from rdbench.reshard_floors import FLOOR_GATHER, FLOOR_RESHARD, Floors, floor_rows, floor_step
+from rdbench.shards import columns_of, shard_bytes
 
 RESHARD = "raydirect resharding, sub.load([h0, ..., hN-1])"
 GATHER_PUBLISH = "gather to rank 0 with raydirect, then publish"
 ALL_GATHER_PUBLISH = "torch.distributed all-gather (gloo), then publish"
 BLOCKS = "shard_blocks"  # the publishers store each matrix as one block per worker
 LIVE = "depth=0"  # the publishers make no copy: a version is the tensors themselves
-FLOOR = "floor: in-process copy of each worker's slice"
 WORKER_BYTES = "worker bytes / slice"  # Row.measured: the most any worker received
 FASTER, EXACT = 0.6, 1.05  # the targets: time against gather-then-publish; bytes
 # What a point holds, in units of the state: rows (1), every rank's whole (N), two
 # depth-2 publishers (copies and blocks) of the rows (4) and of rank 0's whole (4),
-# the workers' slices (1) and their scratch (up to 1), the floor's source and targets (2).
-_MEMORY_STATES = 13
+# the workers' slices (1) and their scratch (up to 1), the floors' tensors (7: Floors).
+_MEMORY_STATES = 18
 # How the publishers lay out a version: system suffix -> the actors' ``slots``.
 _SLOTS = {"": "copy", f", {BLOCKS}": "blocks", f", {LIVE}": "live"}
 # system -> (how the step runs, the publishers' slots): resharding and gather then
@@ -134,8 +133,8 @@ def reshard(ctx: Context) -> list[Row]:
                 actors, timed = _start_point(family, layout, n, versions)
                 steps += timed
         if cfg.wants(GROUP_FLOORS):
-            steps.append(_floor(layout, n, delivered))
-            rows.append(steps[-1].row)
+            steps += _floors(layout, n, delivered)
+            rows += [timed.row for timed in steps if timed.row.system.startswith("floor")]
         _interleaved(steps, cfg.sync_steps, ctx.seed_iter)
         _stop(actors)
     return rows
@@ -186,6 +185,18 @@ def _interleaved(steps: list[_Timed], repeats: int, seed_iter: Iterator[int]) ->
             )
         if row.error is None:
             log(f"w7 {row.system} @ {row.param}: median {row.median():.2f} {row.unit}")
+
+
+def _floors(layout: Layout, n: int, delivered: int) -> list[_Timed]:
+    """The floor rows of point ``n``, each a step of one system's copies in the
+    driver (``reshard_floors``)."""
+    floors = Floors(layout, n)
+    if floors.slice_bytes() != delivered:
+        raise ValueError("the floors would copy other bytes than the workers' slices")
+    return [
+        _Timed(row, floor_step(floors, system, slots))
+        for row, system, slots in floor_rows(_param(n), n, delivered, _SLOTS.items())
+    ]
 
 
 def _memory_missing(layout: Layout, n: int) -> str | None:
@@ -278,39 +289,6 @@ def _step(
     return step
 
 
-def _floor(layout: Layout, n: int, delivered: int) -> _Timed:
-    """One copy of each of the N workers' slices from the whole model, one after
-    another, in the driver, on one thread (as in a Ray worker)."""
-    row = Row(7, FLOOR, _param(n), n, delivered)
-    source = {name: torch.empty(shape, dtype=DTYPE) for name, shape in layout.items()}
-    pairs = []  # (target, the strided view of the source it copies)
-    for w in range(n):
-        for name, shape in layout.items():
-            spec = columns_of(name, shape, w, n)
-            view = source[name] if spec is None else source[name][:, spec[1] : spec[2]]
-            target = torch.zeros(sharded_shape(name, shape, w, n, columns_of), dtype=DTYPE)
-            pairs.append((target, view))
-    if sum(t.numel() for t, _ in pairs) * ELEMENT_BYTES != delivered:
-        raise ValueError("the floor would copy other bytes than the workers' slices")
-
-    def copy(seed: int) -> float:
-        fill_layout(source, seed)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            start = time.perf_counter()
-            for target, view in pairs:
-                target.copy_(view)
-            seconds = time.perf_counter() - start
-        finally:
-            torch.set_num_threads(threads)
-        if not all(torch.equal(t, v) for t, v in pairs[:: max(1, len(pairs) // 16)]):
-            raise ValueError("the floor's copy differs")
-        return seconds
-
-    return _Timed(row, copy)
-
-
 # ---------------------------------------------------------------- targets
 
 BYTES_TITLE = (
@@ -334,12 +312,21 @@ def reshard_targets(rows: Sequence[Row]) -> str:
         for suffix, slots in _SLOTS.items():
             ours, theirs = f"{RESHARD}{suffix}", f"{GATHER_PUBLISH}{suffix}"
             how = {"copy": "depth=2", "blocks": f"depth=2, {BLOCKS}", "live": LIVE}[slots]
-            mine, base = ms.get((ours, point)), ms.get((theirs, point))
-            got = mine / base if mine is not None and base else None
             what = f"resharding / gather then publish ({how})"
-            lines.append(TargetLine(what, FASTER, True, point, got, None))
+            got = _ratio(ms, (ours, point), (theirs, point))
+            floor = _ratio(
+                ms, (f"{FLOOR_RESHARD}{suffix}", point), (f"{FLOOR_GATHER}{suffix}", point)
+            )
+            lines.append(TargetLine(what, FASTER, True, point, got, floor))
             row = by_key.get((ours, point))
             worst = row.measured.get(WORKER_BYTES) if row and row.error is None else None
             what = f"each worker's bytes / its slice ({how})"
             lines.append(TargetLine(what, EXACT, True, point, worst, None))
     return render_targets(lines, BYTES_TITLE)
+
+
+def _ratio(
+    ms: dict[tuple[str, str], float], mine: tuple[str, str], base: tuple[str, str]
+) -> float | None:
+    a, b = ms.get(mine), ms.get(base)
+    return a / b if a is not None and b else None

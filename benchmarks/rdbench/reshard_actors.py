@@ -28,10 +28,8 @@ from rdbench.common import (
     SETUP_TIMEOUT_S,
     TRANSFER_TIMEOUT_S,
     Layout,
-    fill_pattern,
-    part_seed,
 )
-from rdbench.shards import check_shards, columns_of, rows_of, sharded_shape
+from rdbench.shards import check_shards, columns_of, fill_rows, rows_of, sharded_shape
 
 _LOCALHOST = "127.0.0.1"
 
@@ -109,11 +107,9 @@ class _TrainerRank:
         tensor k's global tensor holding i + part_seed(seed, k)."""
         for tensor in self.full.values():
             rd.wait_tensor_freed(tensor, timeout=FREE_TIMEOUT_S)
-        for k, (name, local) in enumerate(self.rows.items()):
+        for local in self.rows.values():
             rd.wait_tensor_freed(local, timeout=FREE_TIMEOUT_S)
-            spec = rows_of(name, self._layout[name], self.rank, self.world)
-            first = 0 if spec is None else spec[1] * (local.numel() // max(1, local.shape[0]))
-            fill_pattern(local, part_seed(seed, k) + first)
+        fill_rows(self.rows, self._layout, seed, self.rank, self.world)
 
     def publish(self, version: int, slots: str) -> Any:
         """Resharding: this rank's rows, where they lie (``placement=``)."""

@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import torch
 
-from rdbench.common import DTYPE, ELEMENT_BYTES, Layout, part_seed
+from rdbench.common import DTYPE, ELEMENT_BYTES, Layout, fill_pattern, part_seed
 
 _COLUMN_PARALLEL = ("embed_tokens", "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
 _ROW_PARALLEL = ("o_proj", "down_proj")
@@ -77,6 +77,18 @@ class RankBlocks:
     def __call__(self, name: str, shape: tuple[int, ...]) -> tuple[int, int] | None:
         spec = shard_of(name, shape, 0, self.world)
         return (spec[0], self.world) if spec is not None else None
+
+
+def fill_rows(
+    rows: dict[str, torch.Tensor], layout: Layout, seed: int, rank: int, world: int
+) -> None:
+    """Write rank ``rank``'s rows (``rows_of``) of every tensor in place, element i
+    of tensor k's global tensor holding i + part_seed(seed, k) (as ``check_shards``
+    reads it back from a worker's columns)."""
+    for k, (name, local) in enumerate(rows.items()):
+        spec = rows_of(name, layout[name], rank, world)
+        first = 0 if spec is None else spec[1] * (local.numel() // max(1, local.shape[0]))
+        fill_pattern(local, part_seed(seed, k) + first)
 
 
 def sharded_shape(
