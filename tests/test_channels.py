@@ -4,10 +4,20 @@ Real ZeroMQ sockets on loopback; no Ray."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import threading
+import time
 
+import pytest
 import zmq
 
 from raydirect import _channel, _wire
+from raydirect._payload import ProducerInfo
+from raydirect._process import start_time_of
+from raydirect.errors import ProducerLostError
+from raydirect.transports.base import PeerMetadata, WriteGate
+from raydirect.transports.tcp import TcpTransport
 
 from helpers import wait_for
 
@@ -45,3 +55,39 @@ def test_a_channel_to_an_agent_that_never_answered_is_closed_at_the_next_use():
             ch.close()
         _channel._channels.channels.clear()
         live.close(0)
+
+
+def test_a_producer_that_dies_just_after_its_connection_broke_is_lost_not_alive():
+    """A consumer waiting for a same-node producer's answer in slices (so that a
+    closed gate is noticed) sees the connection break a moment before the kernel
+    shows the process dead. Which error it raises must not depend on where the
+    slice ended: the grace that tells a dead producer from a broken connection runs
+    to the caller's deadline (ProducerLostError, not TransferError's "read it
+    again" for a producer that is gone). A real process is the producer: it dies
+    0.3 s after its agent's socket closes, after the 0.1 s slice, within the grace."""
+    agent = zmq.Context.instance().socket(zmq.ROUTER)
+    agent.setsockopt(zmq.LINGER, 0)
+    public, secret = zmq.curve_keypair()
+    agent.setsockopt(zmq.CURVE_SERVER, 1)
+    agent.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    port = agent.bind_to_random_port("tcp://127.0.0.1")
+    address = _wire.agent_address(f"tcp://127.0.0.1:{port}", public, None)
+    producer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    info = ProducerInfo(
+        address, "node", producer.pid, start_time_of(producer.pid), b"t" * 16, "Producer.step"
+    )
+    link = PeerMetadata(info, b"c" * 16, time.monotonic() + 20, True, WriteGate())
+    try:
+        with _channel.channel(address) as ch:
+            ch.send({"op": "sent"})
+            agent.recv_multipart()  # connected: the agent has the consumer's message
+            threading.Timer(0.3, producer.kill).start()
+            agent.close(0)  # the connection breaks first, the process dies after
+            with pytest.raises(ProducerLostError, match="is no longer running"):
+                TcpTransport().ask_producer(ch, b"o" * 16, link)
+    finally:
+        producer.kill()
+        producer.wait()
+        for ch in _channel._channels.channels.values():
+            ch.close()
+        _channel._channels.channels.clear()

@@ -447,11 +447,12 @@ def test_a_rank_that_dies_gives_a_clear_error_and_the_version_stays(ray_session,
         else:  # rank 1 frozen: the load waits on it, then it dies
             pid = ray.get(ranks[1].pid.remote())
             os.kill(pid, signal.SIGSTOP)
+            before = _sent(ranks[0])
             pending = worker.try_load.remote(handles, 30)
-            wait_for(
-                lambda: _received(worker) > ray.get(worker.slice_bytes.remote()),
-                what="rank 0's part of the load to arrive",
-            )
+            # Asked of rank 0, not of the worker: the worker's calls wait behind its
+            # load, which would end (its connection to the frozen rank timing out)
+            # before the rank is killed.
+            wait_for(lambda: _sent(ranks[0]) > before, what="rank 0 to send its part")
             os.kill(pid, signal.SIGKILL)
         message = ray.get(pending, timeout=60)
         assert message.startswith("WeightSyncError") and "sub.version stays 1" in message, message

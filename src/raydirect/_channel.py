@@ -141,13 +141,19 @@ class Channel:
     def send(self, header: dict[str, Any]) -> None:
         self.socket.send(_wire.encode_header(header))
 
-    def wait_readable(self, deadline: float | None, who: str) -> None:
+    def wait_readable(
+        self, deadline: float | None, who: str, *, until: float | None = None
+    ) -> None:
         """Block until a message is ready; ProducerLostError when the producer is
-        gone, TimeoutError at ``deadline``."""
+        gone, TimeoutError at ``deadline``, or earlier at ``until`` (a caller
+        waiting in slices). A broken connection is judged against ``deadline``,
+        not ``until``: a slice's end must not cut short the grace that tells a
+        dead producer from a broken connection."""
+        stop = min((t for t in (deadline, until) if t is not None), default=None)
         while True:
             timeout = _POLL_SLICE_MS
-            if deadline is not None:
-                remaining = deadline - time.monotonic()
+            if stop is not None:
+                remaining = stop - time.monotonic()
                 if remaining <= 0:
                     raise TimeoutError(f"no answer from {who} before the deadline")
                 timeout = min(timeout, max(1, int(remaining * 1000)))
@@ -212,10 +218,11 @@ class Channel:
         )
 
     def recv_reply(
-        self, deadline: float | None, who: str
+        self, deadline: float | None, who: str, *, until: float | None = None
     ) -> tuple[dict[str, Any], list[zmq.Frame]]:
-        """The next reply: its header and frames; a refusal raises (``_wire``)."""
-        self.wait_readable(deadline, who)
+        """The next reply: its header and frames; a refusal raises (``_wire``).
+        ``until``: as for ``wait_readable``."""
+        self.wait_readable(deadline, who, until=until)
         parts = self.socket.recv_multipart(copy=False)
         header = _wire.decode_header(parts[0].bytes, who)
         _wire.raise_for_refusal(header, who)

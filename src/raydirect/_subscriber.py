@@ -248,7 +248,7 @@ class WeightSubscriber:
         version = self._version_of(ranks)
         if self._targets.changed():
             self._loads.clear()  # made for memory the target no longer uses
-        load = self._load_for(tuple(h.layout for h in ranks))
+        load = self._load_for(ranks)
         payloads = self._payloads(ranks, deadline, version)
         try:
             _read_all(load, payloads, deadline)
@@ -316,11 +316,11 @@ class WeightSubscriber:
             )
         return version
 
-    def _load_for(self, layouts: tuple[WeightsLayout, ...]) -> _Load:
-        key = tuple(layout.token for layout in layouts)
+    def _load_for(self, ranks: list[WeightsHandle]) -> _Load:
+        key = tuple(h.layout_token for h in ranks)
         load = self._loads.get(key)
-        if load is None:
-            load = self._make_load(layouts)
+        if load is None:  # only now are the layouts decoded (see WeightsHandle)
+            load = self._make_load(tuple(h.layout for h in ranks))
             self._loads = {key: load}  # one set of layouts at a time is what a loop uses
         return load
 

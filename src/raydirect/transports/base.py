@@ -416,10 +416,8 @@ class ByteTransport(TensorTransportManager):
         while True:
             comm_meta.check_deadline()
             until = time.monotonic() + _GATE_SLICE_S
-            if comm_meta.deadline is not None:
-                until = min(until, comm_meta.deadline)
             with contextlib.suppress(TimeoutError):
-                return ch.recv_reply(until, comm_meta.who)
+                return ch.recv_reply(comm_meta.deadline, comm_meta.who, until=until)
 
 
 _GATE_SLICE_S = 0.1  # how often a wait for the producer's answer looks at the gate
