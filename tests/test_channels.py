@@ -30,17 +30,22 @@ def _unserved_address() -> str:
     return _wire.agent_address(f"tcp://127.0.0.1:{port}", zmq.curve_keypair()[0], None)
 
 
+def _agent() -> tuple[zmq.Socket, str]:
+    """A ROUTER socket standing for an agent (CURVE, as agents are), and its address."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    public, secret = zmq.curve_keypair()
+    sock.setsockopt(zmq.CURVE_SERVER, 1)
+    sock.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    return sock, _wire.agent_address(f"tcp://127.0.0.1:{port}", public, None)
+
+
 def test_a_channel_to_an_agent_that_never_answered_is_closed_at_the_next_use():
     """A notice sent to an agent that died before it answered leaves a channel
     that never connects; the next conversation (with another agent) closes it
     instead of keeping its sockets in the cache."""
-    live = zmq.Context.instance().socket(zmq.ROUTER)
-    live.setsockopt(zmq.LINGER, 0)
-    public, secret = zmq.curve_keypair()
-    live.setsockopt(zmq.CURVE_SERVER, 1)
-    live.setsockopt(zmq.CURVE_SECRETKEY, secret)
-    port = live.bind_to_random_port("tcp://127.0.0.1")
-    live_address = _wire.agent_address(f"tcp://127.0.0.1:{port}", public, None)
+    live, live_address = _agent()
     dead = _unserved_address()
     try:
         _channel.notify(dead, {"op": "sent"})
@@ -65,13 +70,7 @@ def test_a_producer_that_dies_just_after_its_connection_broke_is_lost_not_alive(
     to the caller's deadline (ProducerLostError, not TransferError's "read it
     again" for a producer that is gone). A real process is the producer: it dies
     0.3 s after its agent's socket closes, after the 0.1 s slice, within the grace."""
-    agent = zmq.Context.instance().socket(zmq.ROUTER)
-    agent.setsockopt(zmq.LINGER, 0)
-    public, secret = zmq.curve_keypair()
-    agent.setsockopt(zmq.CURVE_SERVER, 1)
-    agent.setsockopt(zmq.CURVE_SECRETKEY, secret)
-    port = agent.bind_to_random_port("tcp://127.0.0.1")
-    address = _wire.agent_address(f"tcp://127.0.0.1:{port}", public, None)
+    agent, address = _agent()
     producer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     info = ProducerInfo(
         address, "node", producer.pid, start_time_of(producer.pid), b"t" * 16, "Producer.step"
