@@ -218,6 +218,30 @@ def test_strict_false_loads_the_common_names(ray_session):
     assert torch.equal(target["colpar0"], source["colpar0"]) and not target["extra"].any()
 
 
+def test_a_handle_decodes_its_layout_only_when_a_subscriber_has_no_plan_for_it(ray_session):
+    """A handle that arrives (unpickled, as from another process) carries its
+    layout packed; the first load decodes it to make the plan, a later version of
+    the same layout is loaded by the plan made already, its layout never decoded."""
+    source = make_weights(COUNT)
+    pub = rd.WeightPublisher(source)
+    target = {n: torch.zeros_like(t) for n, t in source.items()}
+    sub = rd.WeightSubscriber(target)
+
+    def arrived(version: int) -> rd.WeightsHandle:
+        return pickle.loads(ray.cloudpickle.dumps(pub.publish(version)))
+
+    first = arrived(1)
+    assert first._layout is None  # packed as it came
+    assert sub.load(first, timeout=60) == 1 and first._layout is not None  # decoded: a plan
+    for tensor in source.values():
+        tensor.add_(1)
+    second = arrived(2)
+    assert second.layout_token == first.layout_token
+    assert sub.load(second, timeout=60) == 2 and second._layout is None  # the plan made already
+    _assert_state(target, source)
+    assert second.names == tuple(source) and second.version == 2  # decoded when asked
+
+
 def test_five_thousand_small_tensors_arrive_exactly(ray_session):
     t = Trainer.remote(5000)
     r = Inference.remote(5000)

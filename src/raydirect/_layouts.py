@@ -236,7 +236,11 @@ def _layout_from(blob: bytes) -> WeightsLayout:
 
 
 def _handle_from(version: int, token: bytes, packed: bytes, ref: ray.ObjectRef) -> WeightsHandle:
-    return WeightsHandle(version, None, ref, packed=(token, packed))
+    """A handle as it arrives: its layout still packed (see ``WeightsHandle``)."""
+    handle = WeightsHandle.__new__(WeightsHandle)
+    handle.version, handle.ref, handle.layout_token = version, ref, token
+    handle._layout, handle._packed = None, packed
+    return handle
 
 
 def nbytes_of(shape: Sequence[int], dtype: str) -> int:
@@ -250,27 +254,15 @@ class WeightsHandle:
 
     A handle that arrived from another process decodes its layout on first use
     (``layout``): a subscriber whose plan for ``layout_token`` is made already
-    never does (decoding 5,000 tensors' layout costs 2.3 ms, a quarter of a
-    4-way sharded load of them)."""
+    never does (a handle of 5,000 tensors then arrives in 0.01 ms instead of
+    1.6 ms, per rank and step; a 4-way sharded load of them takes about 14 ms)."""
 
     __slots__ = ("version", "ref", "layout_token", "_layout", "_packed")
 
-    def __init__(
-        self,
-        version: int,
-        layout: WeightsLayout | None,
-        ref: ray.ObjectRef,
-        *,
-        packed: tuple[bytes, bytes] | None = None,
-    ) -> None:
-        self.version, self.ref = version, ref
-        self._layout, self._packed = layout, None
-        if layout is not None:
-            self.layout_token = layout.token
-        elif packed is not None:
-            self.layout_token, self._packed = packed[0], packed[1]
-        else:
-            raise TypeError("WeightsHandle needs its layout")
+    def __init__(self, version: int, layout: WeightsLayout, ref: ray.ObjectRef) -> None:
+        self.version, self.ref, self.layout_token = version, ref, layout.token
+        self._layout: WeightsLayout | None = layout
+        self._packed: bytes | None = None
 
     @property
     def layout(self) -> WeightsLayout:
