@@ -133,8 +133,9 @@ def reshard(ctx: Context) -> list[Row]:
                 actors, timed = _start_point(family, layout, n, versions)
                 steps += timed
         if cfg.wants(GROUP_FLOORS):
-            steps += _floors(layout, n, delivered)
-            rows += [timed.row for timed in steps if timed.row.system.startswith("floor")]
+            floors = _floors(layout, n, delivered)
+            steps += floors
+            rows += [timed.row for timed in floors]
         _interleaved(steps, cfg.sync_steps, ctx.seed_iter)
         _stop(actors)
     return rows
