@@ -100,16 +100,16 @@ _SAMPLE = re.compile(r"^(ray_raydirect_\w+)\{(.*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 
-def _scrape(node_id: str) -> dict[tuple[str, str, str], float]:
+def _scrape(node_id: str) -> dict[tuple[str, str, str], float] | None:
     """raydirect's samples from the Prometheus endpoint of Ray's metrics agent on
-    ``node_id``: (metric, WorkerId, transport) -> value."""
+    ``node_id``: (metric, WorkerId, transport) -> value; None while it does not answer."""
     node = next(n for n in ray.nodes() if n["NodeID"] == node_id and n["Alive"])
     url = f"http://{node['NodeManagerAddress']}:{node['MetricsExportPort']}/metrics"
     try:
         with urllib.request.urlopen(url, timeout=10) as answer:
             text = answer.read().decode()
     except OSError:  # the agent may not listen yet: poll again
-        return {}
+        return None
     samples = {}
     for line in text.splitlines():
         match = _SAMPLE.match(line)
@@ -121,14 +121,26 @@ def _scrape(node_id: str) -> dict[tuple[str, str, str], float]:
 
 
 def test_counters_reach_rays_metrics_endpoint(ray_session):
-    p, c = Producer.remote(), Consumer.remote()
+    here = ray.get_runtime_context().get_node_id()
+    wait_for(lambda: _scrape(here) is not None, timeout=120, what="Ray's metrics agent to answer")
+    # A Ray worker gives up on its node's metrics agent if it is not up within 30 s of
+    # the worker's start, and then exports nothing, ever. Workers Ray started with the
+    # session, while a loaded machine was still starting the agent, may have given up:
+    # a runtime env of their own gives these actors workers started after the agent.
+    fresh = {"env_vars": {"RAYDIRECT_TEST": "1", "RAYDIRECT_METRICS_INTERVAL_S": "1"}}
+    p = Producer.options(runtime_env=fresh).remote()
+    c = Consumer.options(runtime_env=fresh).remote()
     kept = p.keep.remote("metrics", 25_000)  # auto, 100,000 bytes
     assert ray.get(c.check.remote("large", p.value.remote("large"))) is None  # one transfer
     producer, consumer = _worker(p), _worker(c)
     pw, cw = producer["worker_id"], consumer["worker_id"]
 
+    last: list[dict[tuple[str, str, str], float] | None] = [None]
+
     def exported() -> dict[tuple[str, str, str], float] | None:
-        samples = _scrape(producer["node_id"])
+        samples = last[0] = _scrape(producer["node_id"])
+        if samples is None:
+            return None
         ok = (
             samples.get(("ray_raydirect_objects_held", pw, "auto")) == 1
             and samples.get(("ray_raydirect_bytes_held", pw, "auto")) == 100_000
@@ -139,7 +151,11 @@ def test_counters_reach_rays_metrics_endpoint(ray_session):
 
     # Exported every few seconds, reported by the worker to its node's metrics
     # agent every few more: poll.
-    samples = wait_for(exported, timeout=120, what="raydirect metrics on the node's endpoint")
+    try:
+        samples = wait_for(exported, timeout=120, what="raydirect metrics on the node's endpoint")
+    except AssertionError as e:
+        seen = "no answer" if last[0] is None else sorted(last[0])
+        raise AssertionError(f"{e}; producer {pw}, consumer {cw}; the endpoint had: {seen}") from e
     assert isinstance(samples, dict)
     sent = {
         k[2]: v for k, v in samples.items() if k[:2] == ("ray_raydirect_objects_sent_total", pw)
@@ -152,7 +168,10 @@ def test_counters_reach_rays_metrics_endpoint(ray_session):
 
     del kept  # the gauge must come back to 0, not keep the last value
     wait_for(
-        lambda: _scrape(producer["node_id"]).get(("ray_raydirect_objects_held", pw, "auto")) == 0,
+        lambda: (
+            (_scrape(producer["node_id"]) or {}).get(("ray_raydirect_objects_held", pw, "auto"))
+            == 0
+        ),
         timeout=120,
         what="raydirect_objects_held to drop to 0",
     )
