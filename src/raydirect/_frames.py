@@ -194,25 +194,25 @@ class FramedLink(Link):
         pieces = [p for p in pieces if len(p)]
         room = sum(len(p) for p in pieces)
         plain = memoryview(self._plain)
-        while pieces:
+        i = 0  # pieces[i] is the unfilled rest of the piece being filled
+        while i < len(pieces):
             body, n = self._open(check, room, deadline)
             room -= n
-            if n <= len(pieces[0]):  # the frame lands inside one piece: straight there
-                self._decrypt(body, n, pieces[0][:n])
-                pieces[0] = pieces[0][n:]
-            else:  # it spans pieces: through the scratch buffer
-                self._decrypt(body, n, plain[:n])
-                pos = 0
-                while pos < n:
-                    take = min(len(pieces[0]), n - pos)
-                    pieces[0][:take] = plain[pos : pos + take]
-                    pieces[0] = pieces[0][take:]
-                    pos += take
-                    if not len(pieces[0]):
-                        pieces.pop(0)
+            if n <= len(pieces[i]):  # the frame lands inside one piece: straight there
+                self._decrypt(body, n, pieces[i][:n])
+                pieces[i] = pieces[i][n:]
+                if not len(pieces[i]):
+                    i += 1
                 continue
-            if not len(pieces[0]):
-                pieces.pop(0)
+            self._decrypt(body, n, plain[:n])  # it spans pieces: through the scratch buffer
+            pos = 0
+            while pos < n:
+                take = min(len(pieces[i]), n - pos)
+                pieces[i][:take] = plain[pos : pos + take]
+                pieces[i] = pieces[i][take:]
+                pos += take
+                if not len(pieces[i]):
+                    i += 1
 
 
 # ------------------------------------------------------------------ set-up
