@@ -12,8 +12,11 @@ import urllib.request
 from typing import Any
 
 import ray
+import torch
 
+from raydirect import _channel, _producer, _wire
 from raydirect._status import collect
+from raydirect._store import store
 
 from actors import Consumer, Producer
 from helpers import wait_for
@@ -96,6 +99,31 @@ def test_status_shows_holders_per_transport_and_transfer_counters(ray_session):
     ray.kill(c)
 
 
+def test_a_read_reported_after_its_object_was_freed_still_counts(ray_session):
+    # A consumer reports a one-sided read (cma, shm) once it is done; its last ref
+    # may go as soon as the read returns, and Ray's free can reach the producer
+    # before the report: the send must count all the same (it did not, under load).
+    payload = _producer.export([torch.ones(50_000)], "cma", inline=False)
+    before = store.stats()
+    store.free(payload.obj_id)  # what Ray's free does, here ahead of the report
+    notice = {"op": _wire.SENT, "obj": payload.obj_id.hex(), "transport": "cma"}
+    _channel.notify(payload.producer.agent_address, {**notice, "cap": "00" * 16})  # not its own
+    _channel.notify(
+        payload.producer.agent_address,
+        {**notice, "cap": payload.capability.hex(), "nbytes": payload.nbytes},
+    )
+
+    def sent() -> tuple[int, int]:
+        now = store.stats()
+        return (
+            now.objects_sent.get("cma", 0) - before.objects_sent.get("cma", 0),
+            now.bytes_sent.get("cma", 0) - before.bytes_sent.get("cma", 0),
+        )
+
+    wait_for(lambda: sent()[0] >= 1, timeout=30, what="the late report to be counted")
+    assert sent() == (1, 200_000)  # once, for its own bytes; the wrong capability never
+
+
 _SAMPLE = re.compile(r"^(ray_raydirect_\w+)\{(.*)\} (\S+)$")
 _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
@@ -121,15 +149,7 @@ def _scrape(node_id: str) -> dict[tuple[str, str, str], float] | None:
 
 
 def test_counters_reach_rays_metrics_endpoint(ray_session):
-    here = ray.get_runtime_context().get_node_id()
-    wait_for(lambda: _scrape(here) is not None, timeout=120, what="Ray's metrics agent to answer")
-    # A Ray worker gives up on its node's metrics agent if it is not up within 30 s of
-    # the worker's start, and then exports nothing, ever. Workers Ray started with the
-    # session, while a loaded machine was still starting the agent, may have given up:
-    # a runtime env of their own gives these actors workers started after the agent.
-    fresh = {"env_vars": {"RAYDIRECT_TEST": "1", "RAYDIRECT_METRICS_INTERVAL_S": "1"}}
-    p = Producer.options(runtime_env=fresh).remote()
-    c = Consumer.options(runtime_env=fresh).remote()
+    p, c = Producer.remote(), Consumer.remote()
     kept = p.keep.remote("metrics", 25_000)  # auto, 100,000 bytes
     assert ray.get(c.check.remote("large", p.value.remote("large"))) is None  # one transfer
     producer, consumer = _worker(p), _worker(c)
@@ -154,8 +174,8 @@ def test_counters_reach_rays_metrics_endpoint(ray_session):
     try:
         samples = wait_for(exported, timeout=120, what="raydirect metrics on the node's endpoint")
     except AssertionError as e:
-        seen = "no answer" if last[0] is None else sorted(last[0])
-        raise AssertionError(f"{e}; producer {pw}, consumer {cw}; the endpoint had: {seen}") from e
+        seen = "no answer" if last[0] is None else sorted(k for k in last[0] if k[1] in (pw, cw))
+        raise AssertionError(f"{e}; producer {pw}, consumer {cw}; theirs there: {seen}") from e
     assert isinstance(samples, dict)
     sent = {
         k[2]: v for k, v in samples.items() if k[:2] == ("ray_raydirect_objects_sent_total", pw)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import hmac
 import logging
 import os
 import secrets
@@ -330,12 +331,29 @@ def _serve_fetch(obj: StoredObject, request: dict[str, Any], reply: Reply) -> No
     store.count_sent(name, transport.serve(obj, request, reply))
 
 
-def _serve_sent(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
-    # A one-sided read finished: count it (all bytes, or the ranges read), check for
-    # in-place writes.
-    obj.check_unmodified()
+def _serve_sent(request: dict[str, Any], reply: Reply) -> None:
+    """A one-sided read finished: count it (all bytes, or the ranges read), check
+    for in-place writes. The consumer's notice races Ray's free of the object, so
+    a read of an object freed since counts too, against the capability the store
+    remembers for it."""
+    try:
+        obj_id, capability = bytes.fromhex(request["obj"]), bytes.fromhex(request["cap"])
+    except (KeyError, TypeError, ValueError):  # a notice gets no reply: nothing to refuse
+        log.debug("raydirect agent: a malformed read notice dropped")
+        return
+    obj = store.get(obj_id)
+    if obj is not None and hmac.compare_digest(obj.capability, capability):
+        obj.check_unmodified()
+        held: int | None = obj.nbytes
+    else:
+        held = store.freed_nbytes(obj_id, capability)
+    if held is None:  # never logs a capability, nor more of an id than tells objects apart
+        log.debug(
+            "raydirect agent: a read of %s reported, not held nor freed lately", obj_id.hex()[:8]
+        )
+        return
     nbytes = request.get("nbytes")
-    nbytes = min(nbytes, obj.nbytes) if isinstance(nbytes, int) and nbytes >= 0 else obj.nbytes
+    nbytes = min(nbytes, held) if isinstance(nbytes, int) and nbytes >= 0 else held
     store.count_sent(str(request.get("transport", "?")), nbytes)
 
 
@@ -422,7 +440,7 @@ def _send_meta(name: str, reply: Reply, future: Future[Any]) -> None:
 store.on_free(_release_state)
 _server.register(_wire.FETCH, _serve_fetch, needs_object=True, lane=DATA)
 _server.register(_wire.META, _serve_meta, needs_object=True, lane=DATA)
-_server.register(_wire.SENT, _serve_sent, needs_object=True, lane=CONTROL)
+_server.register(_wire.SENT, _serve_sent, needs_object=False, lane=CONTROL)
 _server.register(_wire.ABORT, _serve_abort, needs_object=True, lane=CONTROL)
 _server.register(_wire.SEND, _serve_send, needs_object=True, lane=PLUGIN)
 

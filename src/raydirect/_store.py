@@ -13,13 +13,14 @@ the first object or transfer (``on_first_use``).
 
 from __future__ import annotations
 
+import hmac
 import logging
 import os
 import queue
 import threading
 import time
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ from raydirect._ranges import ByteViews
 from raydirect._tensors import UNTRACKED, TensorMetas, storage_key
 
 log = logging.getLogger("raydirect")
+
+_FREED_REMEMBERED = 1024  # reads are reported milliseconds after they end
 
 
 @dataclass(frozen=True)
@@ -112,6 +115,10 @@ class Store:
         self._sent_bytes: Counter[str] = Counter()
         self._received: Counter[str] = Counter()
         self._received_bytes: Counter[str] = Counter()
+        # Recently freed objects: id -> (capability, bytes). A consumer reports a
+        # one-sided read after it, and Ray may free the object first (its last ref can
+        # go as soon as the read returns): the read counts all the same.
+        self._freed: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
         self._free_queue: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._reaper: threading.Thread | None = None
         self._free_hooks: list[Callable[[StoredObject], None]] = []
@@ -125,6 +132,7 @@ class Store:
         self._objects = {}
         self._lock = threading.Condition()
         self._holders.clear()
+        self._freed.clear()
         self._nbytes = 0
         for counter in (self._held, self._held_bytes, self._sent, self._sent_bytes):
             counter.clear()
@@ -195,6 +203,9 @@ class Store:
             self._nbytes -= obj.nbytes
             self._held[obj.transport] -= 1
             self._held_bytes[obj.transport] -= obj.nbytes
+            self._freed[obj_id] = (obj.capability, obj.nbytes)
+            if len(self._freed) > _FREED_REMEMBERED:
+                self._freed.popitem(last=False)
         with obj.lock:  # a preparation finishing from now on releases its own state
             obj.freed = True
         # Release transport state (a pooled segment) before waking waiters, so a
@@ -210,6 +221,15 @@ class Store:
             for key in [k for k in keys if self._holders[k] <= 0]:
                 self._holders.pop(key, None)
             self._lock.notify_all()
+
+    def freed_nbytes(self, obj_id: bytes, capability: bytes) -> int | None:
+        """The bytes of ``obj_id`` if it was freed lately and ``capability`` is its
+        own; else None."""
+        with self._lock:
+            known = self._freed.get(obj_id)
+        if known is None or not hmac.compare_digest(known[0], capability):
+            return None
+        return known[1]
 
     def clear(self) -> None:
         """Drop every object (their leases belong to a Ray session that ended)."""
