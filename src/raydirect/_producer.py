@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import functools
-import hmac
 import logging
 import os
 import secrets
@@ -341,17 +340,15 @@ def _serve_sent(request: dict[str, Any], reply: Reply) -> None:
     except (KeyError, TypeError, ValueError):  # a notice gets no reply: nothing to refuse
         log.debug("raydirect agent: a malformed read notice dropped")
         return
-    obj = store.get(obj_id)
-    if obj is not None and hmac.compare_digest(obj.capability, capability):
-        obj.check_unmodified()
-        held: int | None = obj.nbytes
-    else:
-        held = store.freed_nbytes(obj_id, capability)
-    if held is None:  # never logs a capability, nor more of an id than tells objects apart
+    found = store.read_of(obj_id, capability)
+    if found is None:  # never logs a capability, nor more of an id than tells objects apart
         log.debug(
             "raydirect agent: a read of %s reported, not held nor freed lately", obj_id.hex()[:8]
         )
         return
+    obj, held = found
+    if obj is not None:
+        obj.check_unmodified()
     nbytes = request.get("nbytes")
     nbytes = min(nbytes, held) if isinstance(nbytes, int) and nbytes >= 0 else held
     store.count_sent(str(request.get("transport", "?")), nbytes)

@@ -222,14 +222,15 @@ class Store:
                 self._holders.pop(key, None)
             self._lock.notify_all()
 
-    def freed_nbytes(self, obj_id: bytes, capability: bytes) -> int | None:
-        """The bytes of ``obj_id`` if it was freed lately and ``capability`` is its
-        own; else None."""
+    def read_of(self, obj_id: bytes, capability: bytes) -> tuple[StoredObject | None, int] | None:
+        """For a read a consumer reports: (the object, if still held; its bytes), when
+        ``capability`` is its own and it is held or was freed lately; else None."""
         with self._lock:
-            known = self._freed.get(obj_id)
+            obj = self._objects.get(obj_id)
+            known = (obj.capability, obj.nbytes) if obj is not None else self._freed.get(obj_id)
         if known is None or not hmac.compare_digest(known[0], capability):
             return None
-        return known[1]
+        return obj, known[1]
 
     def clear(self) -> None:
         """Drop every object (their leases belong to a Ray session that ended)."""
