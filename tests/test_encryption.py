@@ -8,6 +8,7 @@ Ray with TLS in a lo-only network namespace."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from pathlib import Path
 
@@ -17,9 +18,11 @@ import ray
 import torch
 
 import raydirect as rd
-from raydirect import _choice, _process, _runtime, _tls, _wire
+from raydirect import _choice, _process, _runtime, _stream_client, _stream_server, _tls, _wire
 from raydirect._payload import Payload, ProducerInfo
 from raydirect._tensors import TensorMetas
+
+from helpers import Relay
 
 DRIVER = Path(__file__).with_name("tls_capture_driver.py")
 
@@ -130,3 +133,73 @@ def test_auto_never_picks_a_clear_transport_across_nodes_under_encryption(monkey
             _choice.choose_transport(payload(sealed, "gloo"), None)
     warned = [r for r in caplog.records if "in clear" in r.getMessage()]
     assert len(warned) == 1 and "'gloo'" in warned[0].getMessage()
+
+
+FLIP_AT = 300 << 10  # bytes down a stream connection: inside its first data frame
+
+
+@ray.remote(num_cpus=0)
+class ZerosProducer:
+    """8 MiB of zeros over tcp, from a stream port that encrypts (the actor's env)."""
+
+    def __init__(self) -> None:
+        self.t = torch.zeros(8 << 20, dtype=torch.uint8)
+
+    @rd.method(tensor_transport="tcp")
+    def make(self):
+        return self.t
+
+    def stream_port(self) -> int:
+        streams = _stream_server.running()
+        assert streams is not None
+        return streams.port
+
+
+def _through(monkeypatch, relay: Relay) -> None:
+    """This process reads stream ports through ``relay`` (an on-path attacker)."""
+    real = _stream_client.receive
+
+    def via_relay(peer, *args, **kwargs):
+        return real(dataclasses.replace(peer, address=relay.address), *args, **kwargs)
+
+    monkeypatch.setattr(_stream_client, "receive", via_relay)
+
+
+@pytest.mark.parametrize("records", ["frames", "tls"])
+def test_a_bit_flipped_on_the_wire_never_lands_in_the_target(ray_session, monkeypatch, records):
+    """An on-path relay flips one ciphertext bit of the window: the read fails, and
+    the caller's tensor holds authenticated bytes (zeros) or its old ones (0x11),
+    never the flipped one (0x80): a loop that logs a failed load and carries on
+    keeps no forged byte."""
+    env = {_tls.ENCRYPT_ENV: "1", _tls.RECORDS_ENV: records}
+    producer = ZerosProducer.options(runtime_env={"env_vars": env}).remote()
+    ref = producer.make.remote()
+    ray.wait([ref])
+    host = ray.util.get_node_ip_address()
+    flipped = []
+
+    def flip(position: int, data: bytes) -> bytes:
+        if position <= FLIP_AT < position + len(data):
+            changed = bytearray(data)
+            changed[FLIP_AT - position] ^= 0x80
+            flipped.append(FLIP_AT)
+            return bytes(changed)
+        return data
+
+    relay = Relay(host, (host, ray.get(producer.stream_port.remote())), down=flip)
+    _through(monkeypatch, relay)
+    target = torch.full((8 << 20,), 0x11, dtype=torch.uint8)
+    try:
+        with pytest.raises(rd.TransferError):
+            rd.get(ref, into=target, timeout=60, tensor_transport="tcp")
+    finally:
+        monkeypatch.undo()
+        relay.close()
+        _stream_client.close_idle()
+    assert flipped, "the relay never reached the window's bytes"
+    values = set(target.unique().tolist())
+    assert 0x80 not in values, "a forged byte landed in the caller's tensor"
+    assert values <= {0x00, 0x11}, values
+    got = rd.get(ref, timeout=60, tensor_transport="tcp")  # straight, unharmed
+    assert int(got.count_nonzero()) == 0 and got.numel() == 8 << 20
+    ray.kill(producer)

@@ -1,9 +1,10 @@
 """The consumer's side of bulk streams (see ``_stream_server`` for the protocol).
 
 A transfer is cut into one window per stream; each window is received straight
-into the destination's memory (``recv_into`` in clear, or decrypted into it from
-AES-GCM frames, ``_frames``), so the kernel's copy (and, encrypted, the
-decryption) is the only pass over the bytes. The calling thread receives the
+into the destination's memory (``recv_into`` in clear; encrypted, each AES-GCM
+frame is decrypted into the link's buffer and copied there once authenticated,
+``_frames``), so the kernel's copy (and, encrypted, the decryption and a copy
+from cache) is the only pass over the bytes. The calling thread receives the
 first window and watches the producer (through its control channel, which only
 that thread may touch); the others run on a shared pool. The first failure
 closes every socket of the transfer, so no thread outlives it. Idle connections

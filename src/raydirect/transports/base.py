@@ -392,7 +392,8 @@ class ByteTransport(TensorTransportManager):
         producer is gone, ``TimeoutError`` past ``link.deadline``,
         ``TransportUnavailableError`` when this transport cannot reach it,
         ``TransferError`` otherwise. After a raise the destinations may hold
-        some, all or none of the bytes."""
+        some, all or none of the bytes, never bytes that failed authentication
+        (an encrypted stream's)."""
 
     def ask_producer(
         self, ch: Channel, obj_id: bytes, comm_meta: PeerMetadata, **extra: Any
