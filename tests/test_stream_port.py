@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 import raydirect as rd
-from raydirect import _stream_client, _stream_server, _tls
+from raydirect import _frames, _stream_client, _stream_server, _tls
 from raydirect._stream_server import CHALLENGE_BYTES, MAGIC, REQUEST, StreamServer, proof
 
 from helpers import wait_for
@@ -190,6 +190,26 @@ def test_each_record_layer_moves_the_bytes(monkeypatch, records):
     security = _tls.server_security()
     server, ticket, secret = serve(security)
     assert read(server, ticket, secret, security.pin) == DATA
+    nothing_held(server)
+
+
+@pytest.mark.parametrize("records", ["tls", "frames"])
+def test_a_pooled_tls_records_link_is_retired_past_one_keys_bytes(monkeypatch, records):
+    """Python's ssl cannot update a TLS 1.3 session's keys, so a pooled connection
+    in TLS records is retired once it carried what one AES-GCM key should protect
+    (RFC 8446 5.5; lowered to two windows here): the third read opens a new
+    connection, with new keys. Frames ratchet their own keys: kept (the control)."""
+    use(monkeypatch, None)
+    monkeypatch.setenv(_tls.RECORDS_ENV, records)
+    monkeypatch.setattr(_frames, "_TLS_BYTES_PER_KEY", 2 * len(DATA), raising=False)
+    security = _tls.server_security()
+    server = StreamServer(HOST, security)
+    _stream_client.close_idle()
+    opened = _stream_client.counters["connections"]
+    for _ in range(3):
+        ticket, secret, _ = server.issue([memoryview(DATA)])
+        assert read(server, ticket, secret, security.pin) == DATA
+    assert _stream_client.counters["connections"] - opened == (2 if records == "tls" else 1)
     nothing_held(server)
 
 

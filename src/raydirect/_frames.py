@@ -14,8 +14,9 @@ ciphertext and its 16-byte tag. A frame is decrypted into the link's buffer and
 reaches the caller's memory only once its tag has checked. The length is the
 frame's associated data, the nonce the direction and a counter, so a frame
 cannot be cut, reordered, replayed or moved to the other direction without the
-tag failing. One key per connection, from 32 random bytes of each side
-exchanged inside the TLS session (``frame_key``).
+tag failing. One key per connection and direction, from 32 random bytes of
+each side exchanged inside the TLS session (``frame_key``), ratcheted every
+``_FRAMES_PER_KEY`` frames (``_DirectionKey``).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import hashlib
 import hmac
 import os
 import socket
+import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -48,6 +50,12 @@ _DIRECT_BYTES = 64 << 10  # pieces this large are sealed straight from their mem
 _LENGTH = struct.Struct("<I")
 _TAG = 16
 TO_CLIENT, TO_SERVER = 0, 1
+# RFC 8446 5.5: at most 2^34.5 AES-GCM blocks under one key (2^24.5 full TLS records).
+# A direction's frame key ratchets every _FRAMES_PER_KEY frames of at most 2^16 + 1
+# blocks: 2^32 blocks a key at most. TLS records (``ssl`` offers no key update) are
+# retired from the pool once _TLS_BYTES_PER_KEY (2^32 blocks) went through them.
+_FRAMES_PER_KEY = 1 << 16
+_TLS_BYTES_PER_KEY = 1 << 36
 
 Check = Callable[[], None]
 
@@ -83,6 +91,12 @@ class Link:
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
+        self.received = 0  # window bytes received so far
+
+    def worn_out(self) -> bool:
+        """Should the link be retired rather than pooled? TLS records past the bytes
+        one key should protect (a new connection has new keys); never in clear."""
+        return isinstance(self.sock, ssl.SSLSocket) and self.received >= _TLS_BYTES_PER_KEY
 
     def settimeout(self, seconds: float | None) -> None:
         self.sock.settimeout(seconds)
@@ -104,9 +118,35 @@ class Link:
     ) -> None:
         for piece in pieces:
             recv_exactly_into(self.sock, piece, check, deadline)
+            self.received += len(piece)
 
     def close(self) -> None:
         self.sock.close()
+
+
+class _DirectionKey:
+    """One direction's AES-256-GCM key, ratcheted (HMAC-SHA256 of itself) every
+    ``_FRAMES_PER_KEY`` frames. Both ends count the direction's frames, so they
+    ratchet in step without a message; the old key is forgotten."""
+
+    def __init__(self, key: bytes, direction: int) -> None:
+        self._key = hmac.new(key, b"raydirect frames direction %d" % direction, hashlib.sha256)
+        self.aead = AESGCM(self._key.digest())
+        self._direction = direction
+        self._limit = _FRAMES_PER_KEY
+        self.frames = 0
+        self.keys = 1  # keys used so far
+
+    def nonce(self) -> bytes:
+        return struct.pack("<IQ", self._direction, self.frames)
+
+    def used(self) -> None:
+        """One more frame sealed, or opened and authenticated, under the key."""
+        self.frames += 1
+        if self.frames % self._limit == 0:
+            self._key = hmac.new(self._key.digest(), b"raydirect frames next key", hashlib.sha256)
+            self.aead = AESGCM(self._key.digest())
+            self.keys += 1
 
 
 class FramedLink(Link):
@@ -114,28 +154,25 @@ class FramedLink(Link):
 
     def __init__(self, sock: socket.socket, key: bytes, server: bool) -> None:
         super().__init__(sock)
-        self._aead = AESGCM(key)
-        self._out_dir, self._in_dir = (TO_CLIENT, TO_SERVER) if server else (TO_SERVER, TO_CLIENT)
-        self._sent = 0
-        self._received = 0
+        out_dir, in_dir = (TO_CLIENT, TO_SERVER) if server else (TO_SERVER, TO_CLIENT)
+        self.out_key, self.in_key = _DirectionKey(key, out_dir), _DirectionKey(key, in_dir)
         self._sealed = bytearray(_LENGTH.size + FRAME_BYTES + _TAG)
         self._plain = bytearray(FRAME_BYTES)  # small pieces gathered into one frame
         self._staged = 0
 
-    # -- sending
-    def _nonce(self, direction: int, counter: int) -> bytes:
-        return struct.pack("<IQ", direction, counter)
+    def worn_out(self) -> bool:
+        return False  # its keys ratchet
 
+    # -- sending
     def _seal(self, data: memoryview) -> None:
         n = len(data)
         length = _LENGTH.pack(n)
         sealed = memoryview(self._sealed)
         sealed[: _LENGTH.size] = length
         end = _LENGTH.size + n + _TAG
-        self._aead.encrypt_into(
-            self._nonce(self._out_dir, self._sent), data, length, sealed[_LENGTH.size : end]
-        )
-        self._sent += 1
+        key = self.out_key
+        key.aead.encrypt_into(key.nonce(), data, length, sealed[_LENGTH.size : end])
+        key.used()
         self.sock.sendall(sealed[:end])
 
     def _flush(self) -> None:
@@ -177,12 +214,10 @@ class FramedLink(Link):
 
     def _decrypt(self, body: memoryview, n: int, out: memoryview) -> None:
         try:
-            self._aead.decrypt_into(
-                self._nonce(self._in_dir, self._received), body, _LENGTH.pack(n), out
-            )
+            self.in_key.aead.decrypt_into(self.in_key.nonce(), body, _LENGTH.pack(n), out)
         except InvalidTag:
             raise ConnectionError("corrupt stream: a frame failed authentication") from None
-        self._received += 1
+        self.in_key.used()
 
     def recv_exactly(self, size: int, check: Check = _no_check) -> bytes:
         buf = bytearray(size)

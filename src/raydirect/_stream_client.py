@@ -360,9 +360,12 @@ class _Transfer:
         except BaseException as exc:
             self.fail(exc)
             return
+        _count("windows")
+        if link.worn_out():  # TLS records past one key's bytes: the next window, new keys
+            self._drop(link)
+            return
         with self._lock:
             self._links.discard(link)
-        _count("windows")
         _pool.give(self.peer, link)
 
     def wait(self, others: list[Future[None]]) -> None:

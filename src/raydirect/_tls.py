@@ -26,8 +26,9 @@ After the handshake the bytes move in one of two record layers
   machine: Python's ``ssl`` moves 16 KiB TLS records at 1.1-1.4 GB/s per core
   (OpenSSL 3.0's per-record cost), AES-GCM itself runs at 4-6 GB/s per core in
   1 MiB frames (``cryptography``'s ``encrypt_into``), which is the cost kernel
-  TLS would leave.
-* ``tls``: TLS 1.3 records end to end in user space (``ssl``).
+  TLS would leave. Each direction's key ratchets every 65,536 frames.
+* ``tls``: TLS 1.3 records end to end in user space (``ssl``, which cannot update
+  a session's keys: the consumer retires a connection past 64 GiB, ``_frames``).
 * ``ktls``: TLS 1.3 records handed to the kernel (``OP_ENABLE_KTLS``), where
   the Python build and kernel allow it; elsewhere the agent logs why once and
   uses ``frames``.
