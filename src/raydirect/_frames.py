@@ -5,8 +5,10 @@ AES-256-GCM frames (see ``_tls`` for which and why).
 messages (``send``, ``recv_exactly``) and a window's bytes (``send_pieces``,
 ``recv_pieces``), each filling or sending exactly what was asked, or raising
 ``ConnectionError`` (the peer closed, or sent what it must not) or
-``TimeoutError`` (from the socket's timeout; the client passes ``check``, called
-at each timeout, to watch its deadline and the producer).
+``TimeoutError`` (from the socket's timeout). The client passes ``check``, called
+at each timeout, to watch the producer, and ``between``, called after every
+receive while a window's bytes flow, to stop at once when its call gives up or
+its deadline passes (a few ms: one ``recv_into``, not an idle socket's timeout).
 
 Frames (``FramedLink``): a 4-byte little-endian length (at most ``FRAME_BYTES``:
 a longer one is refused before anything is read into memory), then the
@@ -27,7 +29,6 @@ import os
 import socket
 import ssl
 import struct
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -69,10 +70,10 @@ def frame_key(server_random: bytes, client_random: bytes) -> bytes:
 
 
 def recv_exactly_into(
-    sock: Any, view: memoryview, check: Check = _no_check, deadline: float | None = None
+    sock: Any, view: memoryview, check: Check = _no_check, between: Check = _no_check
 ) -> None:
     """Fill ``view`` from ``sock`` (a socket or an SSL socket); ``check`` at each
-    timeout, and ``TimeoutError`` past ``deadline`` even while bytes flow."""
+    timeout, ``between`` after each receive that left bytes to come."""
     while len(view):
         try:
             got = sock.recv_into(view, min(len(view), _RECV_BYTES))
@@ -82,8 +83,8 @@ def recv_exactly_into(
         if got == 0:
             raise ConnectionError("the peer closed the stream midway")
         view = view[got:]
-        if deadline is not None and len(view) and time.monotonic() > deadline:
-            raise TimeoutError("the stream did not finish before the deadline")
+        if len(view):
+            between()
 
 
 class Link:
@@ -114,11 +115,16 @@ class Link:
             self.sock.sendall(piece)
 
     def recv_pieces(
-        self, pieces: list[memoryview], check: Check = _no_check, deadline: float | None = None
+        self, pieces: list[memoryview], check: Check = _no_check, between: Check = _no_check
     ) -> None:
+        unchecked = 0  # bytes of whole pieces since ``between`` last ran
         for piece in pieces:
-            recv_exactly_into(self.sock, piece, check, deadline)
-            self.received += len(piece)
+            recv_exactly_into(self.sock, piece, check, between)
+            unchecked += len(piece)
+            if unchecked >= FRAME_BYTES:  # small pieces, one recv each: now and then
+                between()
+                unchecked = 0
+        self.received += sum(len(p) for p in pieces)
 
     def close(self) -> None:
         self.sock.close()
@@ -200,7 +206,7 @@ class FramedLink(Link):
         self._flush()
 
     # -- receiving
-    def _open(self, check: Check, room: int, deadline: float | None) -> tuple[memoryview, int]:
+    def _open(self, check: Check, room: int, between: Check) -> tuple[memoryview, int]:
         """Read one frame's sealed bytes (at most ``room`` plain bytes): (ciphertext
         with tag, plain length)."""
         sealed = memoryview(self._sealed)
@@ -209,7 +215,7 @@ class FramedLink(Link):
         if n > min(room, FRAME_BYTES) or n == 0:
             raise ConnectionError(f"corrupt stream: a frame of {n} bytes where {room} are due")
         body = sealed[_LENGTH.size : _LENGTH.size + n + _TAG]
-        recv_exactly_into(self.sock, body, check, deadline)
+        recv_exactly_into(self.sock, body, check, between)
         return body, n
 
     def _decrypt(self, body: memoryview, n: int, out: memoryview) -> None:
@@ -225,7 +231,7 @@ class FramedLink(Link):
         return bytes(buf)
 
     def recv_pieces(
-        self, pieces: list[memoryview], check: Check = _no_check, deadline: float | None = None
+        self, pieces: list[memoryview], check: Check = _no_check, between: Check = _no_check
     ) -> None:
         """Each frame is decrypted into the link's own buffer and copied to ``pieces``
         only once its tag has checked: ``decrypt_into`` writes the plaintext before it
@@ -240,7 +246,8 @@ class FramedLink(Link):
         plain = memoryview(self._plain)
         i = 0  # pieces[i] is the unfilled rest of the piece being filled
         while i < len(pieces):
-            body, n = self._open(check, room, deadline)
+            body, n = self._open(check, room, between)
+            between()
             room -= n
             self._decrypt(body, n, plain[:n])
             pos = 0
