@@ -92,47 +92,94 @@ def test_encryption_can_be_turned_on_without_ray_tls(ray_session):
     ray.kill(p)
 
 
-def test_auto_never_picks_a_clear_transport_across_nodes_under_encryption(monkeypatch, caplog):
+class _Reachable:
+    """Every group reachable: the choice, not a group, is under test."""
+
+    byte_transport = True
+
+    def reachable(self, extra) -> bool:
+        return True
+
+
+def _elsewhere(address: str, transport: str = "auto") -> Payload:
+    """A payload of a producer on another node, at agent ``address``."""
+    producer = ProducerInfo(
+        agent_address=address,
+        node_id="another-node",
+        pid=1,
+        start_time=_process.START_TIME,
+        process_token=secrets.token_bytes(16),
+        label="Trainer.weights",
+    )
+    metas = TensorMetas.of([])
+    return Payload(b"o" * 16, b"c" * 16, b"", [], metas, transport, producer, {"gloo": {}})
+
+
+CLEAR = f"tcp://10.0.0.2:5000/curve/{'ab' * 32}"
+SEALED = f"{CLEAR}/tls/{'cd' * 32}"
+
+
+@pytest.fixture
+def elsewhere(monkeypatch):
+    """This process on node "here", every group reachable, encryption off."""
+    monkeypatch.setattr(_choice, "transport_instance", lambda name: _Reachable())
+    monkeypatch.setattr(_choice, "_ray", type("R", (), {"node_id": staticmethod(lambda: "here")}))
+    monkeypatch.setenv(_tls.ENCRYPT_ENV, "0")
+    monkeypatch.delenv("RAYDIRECT_ALLOW_CLEAR", raising=False)
+
+
+def test_auto_never_picks_a_clear_transport_across_nodes_under_encryption(
+    elsewhere, monkeypatch, caplog
+):
     """A producer on another node, a gloo group both are in: ``auto`` picks the group
     in clear, and the encrypted ``tcp`` stream when the producer's stream port
     encrypts (its address carries a TLS pin) or this process encrypts; naming the
-    group there logs a warning, once."""
-
-    class Reachable:
-        byte_transport = True
-
-        def reachable(self, extra) -> bool:
-            return True
-
-    monkeypatch.setattr(_choice, "transport_instance", lambda name: Reachable())
-    monkeypatch.setenv(_tls.ENCRYPT_ENV, "0")
-
-    def payload(address: str, transport: str = "auto") -> Payload:
-        producer = ProducerInfo(
-            agent_address=address,
-            node_id="another-node",
-            pid=1,
-            start_time=_process.START_TIME,
-            process_token=secrets.token_bytes(16),
-            label="Trainer.weights",
-        )
-        metas = TensorMetas.of([])
-        return Payload(b"o" * 16, b"c" * 16, b"", [], metas, transport, producer, {"gloo": {}})
-
-    key = "ab" * 32
-    clear = f"tcp://10.0.0.2:5000/curve/{key}"
-    sealed = f"{clear}/tls/{'cd' * 32}"
-    assert _choice._choose_auto(payload(clear), same_node=False) == "gloo"
-    assert _choice._choose_auto(payload(sealed), same_node=False) == "tcp"
+    group where only the producer encrypts logs a warning, once."""
+    assert _choice._choose_auto(_elsewhere(CLEAR), same_node=False) == "gloo"
+    assert _choice._choose_auto(_elsewhere(SEALED), same_node=False) == "tcp"
     monkeypatch.setenv(_tls.ENCRYPT_ENV, "1")  # this process encrypts: the same
-    assert _choice._choose_auto(payload(clear), same_node=False) == "tcp"
-    monkeypatch.setattr(_choice, "_ray", type("R", (), {"node_id": staticmethod(lambda: "here")}))
+    assert _choice._choose_auto(_elsewhere(CLEAR), same_node=False) == "tcp"
+    monkeypatch.setenv(_tls.ENCRYPT_ENV, "0")
     _choice._logged_fallbacks.discard(("clear", "gloo"))
     with caplog.at_level("WARNING", logger="raydirect"):
         for _ in range(3):
-            _choice.choose_transport(payload(sealed, "gloo"), None)
+            assert _choice.choose_transport(_elsewhere(SEALED, "gloo"), None) == "gloo"
     warned = [r for r in caplog.records if "in clear" in r.getMessage()]
     assert len(warned) == 1 and "'gloo'" in warned[0].getMessage()
+
+
+@pytest.mark.parametrize("setting", [{_tls.ENCRYPT_ENV: "1"}, {"RAY_USE_TLS": "1"}])
+def test_an_encrypting_process_refuses_clear_bytes_from_another_node(
+    elsewhere, monkeypatch, setting
+):
+    """This process encrypts (RAYDIRECT_ENCRYPT=1, or Ray's TLS with the variable
+    unset); the producer on another node does not (its address has no TLS pin):
+    every way to read it in clear is refused, naming the producer, this process's
+    setting and both fixes: auto and declared tcp, a same-node transport's fallback
+    to tcp, tcp forced on a group's object, a clear transport named. Its encrypted
+    stream, and anything with RAYDIRECT_ALLOW_CLEAR=1, is read."""
+    monkeypatch.delenv(_tls.ENCRYPT_ENV)
+    for name, value in setting.items():
+        monkeypatch.setenv(name, value)
+    shown = next(iter(setting.items()))
+    for transport, forced in [("auto", None), ("tcp", None), ("cma", None), ("gloo", "tcp")]:
+        with pytest.raises(rd.TransferError) as refused:
+            _choice.choose_transport(_elsewhere(CLEAR, transport), forced)
+        message = str(refused.value)
+        assert "Trainer.weights" in message and "another node" in message
+        assert f"{shown[0]}={shown[1]}" in message
+        assert "RAYDIRECT_ENCRYPT=1 in the producer" in message
+        assert "RAYDIRECT_ALLOW_CLEAR=1" in message
+    with pytest.raises(rd.TransferError, match="'gloo' moves bytes in clear"):
+        _choice.choose_transport(_elsewhere(SEALED, "gloo"), None)
+    assert _choice.choose_transport(_elsewhere(SEALED, "tcp"), None) == "tcp"
+    assert _choice.choose_transport(_elsewhere(SEALED), None) == "tcp"
+    monkeypatch.setenv("RAYDIRECT_ALLOW_CLEAR", "1")  # a mixed cluster, on purpose
+    assert _choice.choose_transport(_elsewhere(CLEAR), None) == "tcp"
+    assert _choice.choose_transport(_elsewhere(CLEAR, "gloo"), None) == "gloo"
+    monkeypatch.setenv("RAYDIRECT_ALLOW_CLEAR", "maybe")
+    with pytest.raises(ValueError, match="RAYDIRECT_ALLOW_CLEAR"):
+        _choice.choose_transport(_elsewhere(CLEAR), None)
 
 
 FLIP_AT = 300 << 10  # bytes down a stream connection: inside its first data frame

@@ -53,6 +53,7 @@ from dataclasses import dataclass
 log = logging.getLogger("raydirect")
 
 ENCRYPT_ENV = "RAYDIRECT_ENCRYPT"
+ALLOW_CLEAR_ENV = "RAYDIRECT_ALLOW_CLEAR"
 RECORDS_ENV = "RAYDIRECT_TLS_RECORDS"
 RAY_FILES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
 TLS_MARK = "/tls/"  # in an agent address: /tls/ca (Ray's CA) or /tls/<sha-256 hex>
@@ -84,6 +85,28 @@ def encryption_wanted() -> bool:
     raise ValueError(
         f"{ENCRYPT_ENV}={raw!r}: expected 1 (encrypt), 0 (do not), or unset it to "
         "encrypt exactly when Ray's TLS is on (RAY_USE_TLS=1)"
+    )
+
+
+def encryption_setting() -> str:
+    """What makes this process encrypt (for messages)."""
+    raw = os.environ.get(ENCRYPT_ENV, "").strip()
+    if raw.lower() in ("", "auto"):
+        return "Ray's TLS (RAY_USE_TLS=1)"
+    return f"{ENCRYPT_ENV}={raw}"
+
+
+def clear_allowed() -> bool:
+    """``RAYDIRECT_ALLOW_CLEAR=1``: an encrypting process still reads bytes that cross
+    from other nodes in clear (a mixed cluster); unset or 0: it refuses them."""
+    raw = os.environ.get(ALLOW_CLEAR_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "off", "no"):
+        return False
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(
+        f"{ALLOW_CLEAR_ENV}={raw!r}: expected 1 (an encrypting process may read clear bytes "
+        "from other nodes) or 0 (it refuses them; the default)"
     )
 
 
