@@ -40,7 +40,8 @@ def captured():
 def test_under_ray_tls_no_plaintext_crosses_the_wire(captured):
     enc = captured["encrypted"]
     assert enc["exact"]
-    assert enc["address"].endswith(_wire.TLS_MARK + _tls.RAY_CA)  # mutual TLS, Ray's CA
+    pin = _wire.parse_address(enc["address"]).tls or ""
+    assert pin.startswith(_tls.RAY_CA + "-") and len(pin) == 3 + 64  # Ray's CA, and its cert
     assert enc["encryption"] == _tls.TLS
     assert enc["captured_bytes"] > 4 << 20  # the transfer itself was captured
     assert not enc["pattern_found"]
