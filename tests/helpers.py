@@ -4,6 +4,7 @@ tests/multinode has a conftest of its own)."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import socket
 import threading
@@ -12,7 +13,7 @@ from collections.abc import Callable
 
 import zmq
 
-from raydirect import _wire
+from raydirect import _stream_client, _wire
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = 30.0, what: str = "") -> object:
@@ -119,3 +120,14 @@ class Relay:
         with self._lock:
             for sock in self._sockets:
                 sock.close()
+
+
+def read_through(monkeypatch, relay: Relay) -> None:
+    """This process reaches every producer's stream port through ``relay`` (until
+    ``monkeypatch`` undoes it): what a proxy on the path sees and does."""
+    real = _stream_client.receive
+
+    def via_relay(peer, *args, **kwargs):
+        return real(dataclasses.replace(peer, address=relay.address), *args, **kwargs)
+
+    monkeypatch.setattr(_stream_client, "receive", via_relay)

@@ -4,7 +4,6 @@ tensors any more, and the fetch pool is free for the next call."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import os
 import signal
 import threading
@@ -18,7 +17,7 @@ import raydirect as rd
 from raydirect import _consumer, _stream_client, _stream_server
 
 from actors import Producer
-from helpers import Relay, wait_for
+from helpers import Relay, read_through, wait_for
 
 BIG = 512 << 20
 
@@ -104,12 +103,7 @@ def test_a_cancelled_get_async_stops_while_bytes_flow(big_producer, monkeypatch)
     port = ray.get(big_producer.__ray_call__.remote(lambda self: _stream_server.running().port))
     host = ray.util.get_node_ip_address()
     relay = Relay(host, (host, port), down=_slow_link, chunk=PACE[0])
-    real = _stream_client.receive
-
-    def via_relay(peer, *args, **kwargs):
-        return real(dataclasses.replace(peer, address=relay.address), *args, **kwargs)
-
-    monkeypatch.setattr(_stream_client, "receive", via_relay)
+    read_through(monkeypatch, relay)
     target = torch.zeros(SLOW, dtype=torch.uint8)
 
     async def cancel_midway() -> int:

@@ -8,7 +8,6 @@ Ray with TLS in a lo-only network namespace."""
 
 from __future__ import annotations
 
-import dataclasses
 import secrets
 from pathlib import Path
 
@@ -22,7 +21,7 @@ from raydirect import _choice, _process, _runtime, _stream_client, _stream_serve
 from raydirect._payload import Payload, ProducerInfo
 from raydirect._tensors import TensorMetas
 
-from helpers import Relay
+from helpers import Relay, read_through
 
 DRIVER = Path(__file__).with_name("tls_capture_driver.py")
 
@@ -203,16 +202,6 @@ class ZerosProducer:
         return streams.port
 
 
-def _through(monkeypatch, relay: Relay) -> None:
-    """This process reads stream ports through ``relay`` (an on-path attacker)."""
-    real = _stream_client.receive
-
-    def via_relay(peer, *args, **kwargs):
-        return real(dataclasses.replace(peer, address=relay.address), *args, **kwargs)
-
-    monkeypatch.setattr(_stream_client, "receive", via_relay)
-
-
 @pytest.mark.parametrize("records", ["frames", "tls"])
 def test_a_bit_flipped_on_the_wire_never_lands_in_the_target(ray_session, monkeypatch, records):
     """An on-path relay flips one ciphertext bit of the window: the read fails, and
@@ -235,7 +224,7 @@ def test_a_bit_flipped_on_the_wire_never_lands_in_the_target(ray_session, monkey
         return data
 
     relay = Relay(host, (host, ray.get(producer.stream_port.remote())), down=flip)
-    _through(monkeypatch, relay)
+    read_through(monkeypatch, relay)  # an on-path attacker
     target = torch.full((8 << 20,), 0x11, dtype=torch.uint8)
     try:
         with pytest.raises(rd.TransferError):
