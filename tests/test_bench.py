@@ -5,8 +5,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 CLI = [sys.executable, "-m", "raydirect.cli"]
 WORKLOADS = {1, 2, 3, 4, 5, 6, 7}
@@ -195,21 +197,19 @@ def test_resharding_floors_copy_what_each_system_copies():
             floor_step(floors, system, slots)(seed=7)  # checks every worker's slice
 
 
-def test_memo_gains_runs_and_names_what_is_kept_and_what_was_removed():
-    """benchmarks/memo_gains.py (what each cache saves): one round at 200 tensors
-    prints a row for each cache still in the source and lists the removed ones."""
-    script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks", "memo_gains.py")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
-    done = subprocess.run(
-        [sys.executable, script, "--rounds", "2", "--tensors", "200"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    out = done.stdout
-    assert "| into: @rd.method dict -> rd.get(into=) |" in out
-    assert "| state-dict format (_payload._STATE_DICT): the pickler instead | into |" in out
-    assert "| into= described before the value arrives" in out
-    assert "| Ranges.memo (cma spans per plan) | | removed from the source |" in out
+def test_every_benchmark_script_is_a_command_the_docs_give_and_each_command_exists():
+    """benchmarks/ holds what a user runs: each script there is run by a command in
+    the README or docs (or imported by one), and every script a command names is
+    there. A script that ran once leaves its figures in the docs, not in the tree."""
+    root = Path(__file__).resolve().parents[1]
+    texts = [root / "README.md", root / "benchmarks" / "README.md", *(root / "docs").glob("*.md")]
+    commands = set()
+    for path in texts:
+        for line in path.read_text().splitlines():
+            if re.search(r"(^|\s)(\./dev |sudo |\$?\S*python\S* )", line):
+                commands.update(re.findall(r"benchmarks/(\w+)\.py", line))
+    scripts = {p.stem for p in (root / "benchmarks").glob("*.py")}
+    sources = "".join(p.read_text() for p in (root / "benchmarks").glob("*.py"))
+    imported = {s for s in scripts if re.search(rf"^(from|import) {s}\b", sources, re.M)}
+    assert sorted(scripts - commands - imported) == [], "scripts no command of the docs runs"
+    assert sorted(commands - scripts) == [], "commands naming a script that is not there"

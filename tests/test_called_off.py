@@ -7,16 +7,17 @@ import asyncio
 import os
 import signal
 import threading
+import time
 
 import pytest
 import ray
 import torch
 
 import raydirect as rd
-from raydirect import _consumer
+from raydirect import _consumer, _stream_client, _stream_server
 
 from actors import Producer
-from helpers import wait_for
+from helpers import Relay, read_through, wait_for
 
 BIG = 512 << 20
 
@@ -78,3 +79,49 @@ def test_a_cancelled_get_async_stops_writing(big_producer):
     target.zero_()
     _pool_idle()
     assert int(target.count_nonzero()) == 0
+
+
+SLOW = 128 << 20
+PACE = (64 << 10, 0.01)  # the slow link: 64 KiB every 10 ms per connection (6.4 MB/s)
+
+
+def _slow_link(position: int, data: bytes) -> bytes:
+    """Bytes keep flowing, never idle long enough for an idle socket's timeout:
+    what a stop must notice (a link this slow, not a sleep to wait for something)."""
+    time.sleep(PACE[1])
+    return data
+
+
+def test_a_cancelled_get_async_stops_while_bytes_flow(big_producer, monkeypatch):
+    """The call's gate closes while a tcp window's bytes flow (over a slow relay,
+    128 MiB takes 10 s): every stream stops within a receive of the close, so the
+    cancellation returns with a sliver of the window relayed, where before it
+    waited for the whole window (streams looked at the gate only after 0.2 s of
+    idle socket)."""
+    ref = big_producer.big.remote(SLOW, 9)
+    ray.wait([ref])
+    port = ray.get(big_producer.__ray_call__.remote(lambda self: _stream_server.running().port))
+    host = ray.util.get_node_ip_address()
+    relay = Relay(host, (host, port), down=_slow_link, chunk=PACE[0])
+    read_through(monkeypatch, relay)
+    target = torch.zeros(SLOW, dtype=torch.uint8)
+
+    async def cancel_midway() -> int:
+        task = asyncio.ensure_future(rd.get_async(ref, into=target, tensor_transport="tcp"))
+        give_up = time.monotonic() + 60
+        while relay.down_bytes < 1 << 20:  # the window's bytes are flowing
+            assert not task.done() and time.monotonic() < give_up, "no bytes flowed"
+            await asyncio.sleep(0.01)
+        task.cancel()  # closes the call's gate; returns once no stream writes
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        return relay.down_bytes
+
+    try:
+        relayed = asyncio.run(cancel_midway())
+    finally:
+        monkeypatch.undo()
+        relay.close()
+        _stream_client.close_idle()
+    print(f"relayed before the cancellation returned: {relayed} of {SLOW} bytes")
+    assert relayed < SLOW // 4, f"{relayed} bytes relayed before the cancellation returned"

@@ -8,8 +8,12 @@ import time
 
 import pytest
 import ray
+import torch
 
 import raydirect as rd
+from raydirect import _server, _wire
+from raydirect._store import store
+from raydirect.transports.registry import transport_instance
 
 from actors import Consumer, Producer, check_value
 from helpers import shm_segments, wait_for
@@ -136,3 +140,34 @@ def test_producer_killed_during_a_tcp_stream(ray_session):
     assert message.startswith("ProducerLostError"), message
     assert time.monotonic() - start < 60
     ray.kill(c)
+
+
+class _Recorded:
+    """What a handler answers, kept (the agent's ``Reply`` sends it on)."""
+
+    def __init__(self) -> None:
+        self.headers: list[dict] = []
+
+    def send(self, header: dict, *frames: object, copy: bool = True) -> None:
+        self.headers.append(header)
+
+
+def test_an_shm_fetch_served_after_its_free_answers_lost_and_stages_no_segment(ray_session):
+    """The race the agent's lanes allow: a fetch found its object, then waited (a
+    queued data lane, a consumer that timed out) while Ray freed it. Served now,
+    it must answer "lost" as a fetch of a freed object does, and stage no segment:
+    the free has run, so nothing would ever release one (a 16 MiB /dev/shm leak)."""
+    before = set(store._objects)
+    ref = rd.put(torch.ones(4 << 20, dtype=torch.int32), tensor_transport="shm")  # 16 MiB
+    [obj] = [o for k, o in store._objects.items() if k not in before]
+    segments = shm_segments()
+    del ref  # Ray's reference counting frees it, through the lease, as in production
+    wait_for(lambda: obj.freed, what="the object freed by its lease")
+    reply = _Recorded()
+    request = {"op": _wire.FETCH, "obj": obj.obj_id.hex(), "cap": obj.capability.hex(),
+               "transport": "shm", "nbytes": obj.nbytes}  # fmt: skip
+    _server.Server._run(_server._handlers[_wire.FETCH], obj, request, reply)  # as the lane does
+    assert [h.get("kind") for h in reply.headers] == [_wire.LOST], reply.headers
+    assert shm_segments() == segments  # no segment staged for it
+    pool = transport_instance("shm")._pool
+    assert pool is None or obj.obj_id not in pool._used

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 import raydirect as rd
-from raydirect import _stream_client, _stream_server, _tls
+from raydirect import _frames, _stream_client, _stream_server, _tls
 from raydirect._stream_server import CHALLENGE_BYTES, MAGIC, REQUEST, StreamServer, proof
 
 from helpers import wait_for
@@ -54,23 +54,31 @@ def _cert(subject: str, key, issuer: str, issuer_key, ca: bool) -> x509.Certific
     return builder.sign(issuer_key, hashes.SHA256())
 
 
-def make_ca(folder: Path, name: str) -> dict[str, str]:
-    """A CA and one certificate it signed, as Ray's three TLS variables."""
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+def make_ca(folder: Path, name: str, nodes: int = 1) -> list[dict[str, str]]:
+    """A CA and ``nodes`` certificates it signed, each node's as Ray's three TLS
+    variables."""
+    ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = _cert(f"{name}-ca", ca_key, f"{name}-ca", ca_key, ca=True)
-    leaf = _cert(f"{name}-node", key, f"{name}-ca", ca_key, ca=False)
     pem = serialization.Encoding.PEM
-    files = {
-        "RAY_TLS_SERVER_CERT": (folder / f"{name}.crt", leaf.public_bytes(pem)),
-        "RAY_TLS_SERVER_KEY": (
-            folder / f"{name}.key",
-            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()),
-        ),
-        "RAY_TLS_CA_CERT": (folder / f"{name}-ca.crt", ca.public_bytes(pem)),
-    }
-    for path, data in files.values():
-        path.write_bytes(data)
-    return {k: str(path) for k, (path, _) in files.items()}
+    ca_path = folder / f"{name}-ca.crt"
+    ca_path.write_bytes(ca.public_bytes(pem))
+    envs = []
+    for node in range(nodes):
+        key = ec.generate_private_key(ec.SECP256R1())
+        leaf = _cert(f"{name}-node{node}", key, f"{name}-ca", ca_key, ca=False)
+        cert_path, key_path = folder / f"{name}{node}.crt", folder / f"{name}{node}.key"
+        cert_path.write_bytes(leaf.public_bytes(pem))
+        key_path.write_bytes(
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        )
+        envs.append(
+            {
+                "RAY_TLS_SERVER_CERT": str(cert_path),
+                "RAY_TLS_SERVER_KEY": str(key_path),
+                "RAY_TLS_CA_CERT": str(ca_path),
+            }
+        )
+    return envs
 
 
 def use(monkeypatch, env: dict[str, str] | None) -> None:
@@ -193,6 +201,26 @@ def test_each_record_layer_moves_the_bytes(monkeypatch, records):
     nothing_held(server)
 
 
+@pytest.mark.parametrize("records", ["tls", "frames"])
+def test_a_pooled_tls_records_link_is_retired_past_one_keys_bytes(monkeypatch, records):
+    """Python's ssl cannot update a TLS 1.3 session's keys, so a pooled connection
+    in TLS records is retired once it carried what one AES-GCM key should protect
+    (RFC 8446 5.5; lowered to two windows here): the third read opens a new
+    connection, with new keys. Frames ratchet their own keys: kept (the control)."""
+    use(monkeypatch, None)
+    monkeypatch.setenv(_tls.RECORDS_ENV, records)
+    monkeypatch.setattr(_frames, "_TLS_BYTES_PER_KEY", 2 * len(DATA), raising=False)
+    security = _tls.server_security()
+    server = StreamServer(HOST, security)
+    _stream_client.close_idle()
+    opened = _stream_client.counters["connections"]
+    for _ in range(3):
+        ticket, secret, _ = server.issue([memoryview(DATA)])
+        assert read(server, ticket, secret, security.pin) == DATA
+    assert _stream_client.counters["connections"] - opened == (2 if records == "tls" else 1)
+    nothing_held(server)
+
+
 def test_plaintext_to_the_tls_port_is_refused(self_made):
     server, ticket, secret = serve(self_made)
     with socket.create_connection((HOST, server.port), timeout=10) as conn:
@@ -222,15 +250,15 @@ def test_a_handshake_that_never_completes_is_closed(self_made, monkeypatch):
 
 
 def test_mutual_tls_refuses_another_ca_and_no_certificate(tmp_path, monkeypatch):
-    ours = make_ca(tmp_path, "ours")
-    theirs = make_ca(tmp_path, "theirs")
+    [ours] = make_ca(tmp_path, "ours")
+    [theirs] = make_ca(tmp_path, "theirs")
     use(monkeypatch, ours)
     security = _tls.server_security()
-    assert security.pin == _tls.RAY_CA
+    assert _tls.ray_ca(security.pin)
     server, ticket, secret = serve(security)
     use(monkeypatch, theirs)  # a consumer whose certificate another CA signed
     with pytest.raises(rd.TransferError, match="TLS to the stream port"):
-        read(server, ticket, secret, _tls.RAY_CA)
+        read(server, ticket, secret, security.pin)
     wait_for(lambda: server.refused["tls"] >= 1, what="refused")
     # No certificate at all: a plain TLS client that trusts our CA.
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
@@ -244,8 +272,33 @@ def test_mutual_tls_refuses_another_ca_and_no_certificate(tmp_path, monkeypatch)
     wait_for(lambda: server.refused["tls"] >= 2, what="refused")
     assert server.pending() == 1
     use(monkeypatch, ours)
-    assert read(server, ticket, secret, _tls.RAY_CA) == DATA
+    assert read(server, ticket, secret, security.pin) == DATA
     nothing_held(server)
+
+
+def test_under_a_ca_another_nodes_certificate_cannot_stand_in_for_a_stream_port(
+    tmp_path, monkeypatch
+):
+    """Under Ray's TLS every node's certificate checks against the CA, so the
+    address pins the producer's own certificate too: a node holding another
+    certificate of the same CA that stands in for the producer's stream port (its
+    address taken, or on the path) is refused before a ticket is named, and nobody
+    reads with a pin the address does not give."""
+    producer_node, other_node = make_ca(tmp_path, "ray", nodes=2)
+    use(monkeypatch, producer_node)
+    producer_pin = _tls.server_security().pin
+    use(monkeypatch, other_node)
+    impostor_security = _tls.server_security()
+    impostor, ticket, secret = serve(impostor_security)
+    use(monkeypatch, producer_node)  # the consumer: a node of the same cluster
+    with pytest.raises(rd.TransferError, match="certificate other than"):
+        read(impostor, ticket, secret, producer_pin)
+    assert producer_pin.startswith(_tls.RAY_CA + "-") and len(producer_pin) == 3 + 64
+    with pytest.raises(rd.TransferError, match="certificate other than"):
+        read(impostor, ticket, secret, _tls.RAY_CA)  # an address naming no certificate
+    assert impostor.pending() == 1  # no ticket was named
+    assert read(impostor, ticket, secret, impostor_security.pin) == DATA  # its own address
+    nothing_held(impostor)
 
 
 # ------------------------------------------------------------------ a full port

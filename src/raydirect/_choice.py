@@ -13,7 +13,10 @@
                        Under encryption (this process's, or a producer whose
                        stream port encrypts) ``tcp`` always: nixl and the
                        groups move bytes in clear, and naming one logs a
-                       warning once
+                       warning once. A process that encrypts refuses to read
+                       bytes from another node in clear (``tcp`` from a
+                       producer that does not encrypt, or a clear transport
+                       named), unless ``RAYDIRECT_ALLOW_CLEAR=1``
 A declared same-node transport read from another node, and a two-sided
 transport read outside the producer's group (the driver, a non-member), fall
 back to ``tcp``, logged once per process.
@@ -28,7 +31,7 @@ from typing import Any
 
 from raydirect import _ray, _tls, _wire
 from raydirect._payload import Payload, ProducerInfo
-from raydirect.errors import GroupError, TransportUnavailableError
+from raydirect.errors import GroupError, TransferError, TransportUnavailableError
 from raydirect.transports import nixl
 from raydirect.transports.registry import AUTO, check_name, transport_class, transport_instance
 
@@ -70,10 +73,19 @@ _lock = threading.Lock()
 
 
 def choose_transport(payload: Payload, forced: str | None) -> str:
-    """The transport this process uses to read ``payload`` (not for same-process reads)."""
+    """The transport this process uses to read ``payload`` (not for same-process
+    reads); ``TransferError`` if its bytes would cross from another node in clear
+    while this process encrypts (``_refuse_clear``)."""
+    same_node = payload.producer.node_id == _ray.node_id()
+    choice = _choose(payload, forced, same_node)
+    if not same_node:
+        _refuse_clear(payload, choice)
+    return choice
+
+
+def _choose(payload: Payload, forced: str | None, same_node: bool) -> str:
     wanted = check_name(forced or payload.transport)
     producer = payload.producer
-    same_node = producer.node_id == _ray.node_id()
     if wanted == AUTO:
         choice = _choose_auto(payload, same_node)
         log.debug("raydirect: auto chose %r for an object of %s", choice, producer.describe())
@@ -81,8 +93,6 @@ def choose_transport(payload: Payload, forced: str | None) -> str:
     if transport_class(wanted).same_node_only and not same_node:
         _log_fallback_once(wanted, "reaches only the producer's node; objects from other nodes")
         return CROSS_NODE
-    if wanted in _CLEAR_ACROSS_NODES and not same_node and _encrypting(payload):
-        _warn_clear_once(wanted)
     transport = transport_instance(wanted)
     if not transport.byte_transport:
         if wanted not in payload.transport_meta:
@@ -115,6 +125,33 @@ def choose_transport(payload: Payload, forced: str | None) -> str:
         _log_fallback_once(wanted, "needs the producer's group; processes outside it")
         return CROSS_NODE
     return wanted
+
+
+def _refuse_clear(payload: Payload, choice: str) -> None:
+    """A read from another node over ``choice``: refused when this process encrypts
+    and the bytes would cross in clear (``tcp`` from a producer whose stream port
+    has no TLS, or a transport raydirect does not encrypt), unless
+    ``RAYDIRECT_ALLOW_CLEAR=1``; named under encryption, a clear one warns once.
+    Plug-in transports encrypt or not by themselves: not judged here."""
+    sealed = _wire.TLS_MARK in payload.producer.agent_address
+    clear = choice in _CLEAR_ACROSS_NODES or (choice == CROSS_NODE and not sealed)
+    if not clear:
+        return
+    if _tls.encryption_wanted() and not _tls.clear_allowed():
+        how = (
+            "its stream port does not encrypt: set RAYDIRECT_ENCRYPT=1 in the producer's "
+            "environment too (the job's or the actor's runtime_env env_vars)"
+            if choice == CROSS_NODE
+            else f"{choice!r} moves bytes in clear: read it with 'auto' or 'tcp'"
+        )
+        raise TransferError(
+            f"this process encrypts ({_tls.encryption_setting()}) and refuses to read the "
+            f"object of {payload.producer.describe()}, on another node, in clear: {how}; "
+            f"or set {_tls.ALLOW_CLEAR_ENV}=1 here to read clear bytes from other nodes "
+            "(a cluster mixing encrypting and clear processes)"
+        )
+    if choice in _CLEAR_ACROSS_NODES and _encrypting(payload):
+        _warn_clear_once(choice)
 
 
 def _encrypting(payload: Payload) -> bool:

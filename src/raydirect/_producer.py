@@ -41,7 +41,7 @@ from raydirect._ranges import ByteViews
 from raydirect._server import CONTROL, DATA, PLUGIN, Reply
 from raydirect._store import StoredObject, store
 from raydirect._tensors import TensorMetas, flat_bytes, storage_keys, version_counters
-from raydirect.errors import TransferError
+from raydirect.errors import ProducerLostError, TransferError
 from raydirect.transports import nixl
 from raydirect.transports.base import ByteTransport, CommunicatorMetadata, metadata_classes
 from raydirect.transports.registry import (
@@ -168,7 +168,7 @@ def _prepare_on_request(obj: StoredObject, name: str) -> Future[Any]:
         raise ValueError(f"{name!r} is not prepared on request")
     with obj.lock:
         if obj.freed:
-            raise ValueError("the object was freed")
+            raise ProducerLostError.freed_meanwhile()
         future = obj.preparing.get(name)
         if future is None:
             future = _preparer().submit(_byte_extra, transport, obj.obj_id, obj.buffers)

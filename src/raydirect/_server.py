@@ -42,6 +42,7 @@ from raydirect import _wire
 from raydirect._admission import Admission, RateLimitedLog
 from raydirect._gate import HANDSHAKE_S, ConnectionCap, ZapHandler
 from raydirect._store import StoredObject, store
+from raydirect.errors import ProducerLostError
 
 log = logging.getLogger("raydirect")
 _log = RateLimitedLog()  # what peers can trigger at will is logged at a bounded rate
@@ -281,6 +282,9 @@ class Server:
                 handler.fn(obj, request, reply)
             else:
                 handler.fn(request, reply)
+        except ProducerLostError as exc:  # freed after _object_for found it
+            if _wire.wants_reply(request):
+                reply.send(_wire.refusal(_wire.LOST, str(exc)))
         except Exception as exc:
             log.exception("raydirect agent: %r failed", str(request.get("op"))[:32])
             if _wire.wants_reply(request):

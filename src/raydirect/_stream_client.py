@@ -1,9 +1,10 @@
 """The consumer's side of bulk streams (see ``_stream_server`` for the protocol).
 
 A transfer is cut into one window per stream; each window is received straight
-into the destination's memory (``recv_into`` in clear, or decrypted into it from
-AES-GCM frames, ``_frames``), so the kernel's copy (and, encrypted, the
-decryption) is the only pass over the bytes. The calling thread receives the
+into the destination's memory (``recv_into`` in clear; encrypted, each AES-GCM
+frame is decrypted into the link's buffer and copied there once authenticated,
+``_frames``), so the kernel's copy (and, encrypted, the decryption and a copy
+from cache) is the only pass over the bytes. The calling thread receives the
 first window and watches the producer (through its control channel, which only
 that thread may touch); the others run on a shared pool. The first failure
 closes every socket of the transfer, so no thread outlives it. Idle connections
@@ -206,12 +207,14 @@ class _Transfer:
         secret: bytes,
         deadline: float | None,
         watch: Callable[[], None],
+        stop: Callable[[], None],
     ) -> None:
         self.peer = peer
         self.ticket = ticket
         self.secret = secret
         self.deadline = deadline
         self._watch = watch
+        self._stop = stop
         self._owner = threading.get_ident()
         self._failure: BaseException | None = None
         self._links: set[Link] = set()
@@ -258,10 +261,17 @@ class _Transfer:
         link.close()
 
     def _check(self) -> None:
+        """At each idle timeout of a socket (and between retries)."""
         if threading.get_ident() == self._owner:
             self._watch()
+        self._between()
+
+    def _between(self) -> None:
+        """After every receive while bytes flow, on every stream's thread: cheap, so
+        a call that gave up (``stop``) ends its streams within one receive."""
         if self._closed:
             raise TransferError("another stream of this transfer failed")
+        self._stop()
         if self.deadline is not None and time.monotonic() > self.deadline:
             raise TimeoutError("the stream did not finish before the deadline")
 
@@ -355,13 +365,16 @@ class _Transfer:
         concatenation at the same offsets; a failure is recorded, never raised."""
         try:
             link = self._open_window(offset, length)
-            link.recv_pieces(window(dests, offset, length), self._check, self.deadline)
+            link.recv_pieces(window(dests, offset, length), self._check, self._between)
         except BaseException as exc:
             self.fail(exc)
             return
+        _count("windows")
+        if link.worn_out():  # TLS records past one key's bytes: the next window, new keys
+            self._drop(link)
+            return
         with self._lock:
             self._links.discard(link)
-        _count("windows")
         _pool.give(self.peer, link)
 
     def wait(self, others: list[Future[None]]) -> None:
@@ -384,13 +397,16 @@ def receive(
     dests: list[memoryview],
     deadline: float | None,
     watch: Callable[[], None],
+    stop: Callable[[], None] = lambda: None,
 ) -> None:
     """Receive a ticket's bytes into ``dests`` over ``streams_for`` connections.
-    ``watch`` raises if the producer is gone (called on this thread only)."""
+    ``watch`` raises if the producer is gone (called on this thread only, when a
+    socket idles); ``stop`` raises if the caller gave up (called on every stream's
+    thread after every receive: it must be cheap)."""
     nbytes = sum(len(d) for d in dests)
     streams = min(streams_for(nbytes), max(1, nbytes >> 20))
     edges = [nbytes * i // streams for i in range(streams + 1)]
-    transfer = _Transfer(peer, ticket, secret, deadline, watch)
+    transfer = _Transfer(peer, ticket, secret, deadline, watch, stop)
     _count("transfers")
     others = [
         _executor().submit(transfer.receive, dests, edges[i], edges[i + 1] - edges[i])

@@ -7,8 +7,10 @@ TLS 1.3 handshake. Who trusts whom:
 * Ray's own TLS files set (``RAY_TLS_SERVER_CERT``, ``RAY_TLS_SERVER_KEY``,
   ``RAY_TLS_CA_CERT``, as Ray's gRPC reads them): **mutual** TLS with them. The
   server asks for the client's certificate and both check the other's against
-  Ray's CA: the trust Ray's own channels use, nothing new to configure. The
-  address carries ``/tls/ca``.
+  Ray's CA: the trust Ray's own channels use, nothing new to configure. Any
+  node's certificate checks against the CA, so the address also pins the
+  producer's own (``/tls/ca-<sha-256 hex>``): another node cannot stand in for
+  its stream port.
 * ``RAYDIRECT_ENCRYPT=1`` without those files: the agent makes its own
   certificate (ECDSA P-256, one per process, never written anywhere but a
   private temporary directory while ``ssl`` loads it). Its SHA-256 fingerprint
@@ -26,8 +28,9 @@ After the handshake the bytes move in one of two record layers
   machine: Python's ``ssl`` moves 16 KiB TLS records at 1.1-1.4 GB/s per core
   (OpenSSL 3.0's per-record cost), AES-GCM itself runs at 4-6 GB/s per core in
   1 MiB frames (``cryptography``'s ``encrypt_into``), which is the cost kernel
-  TLS would leave.
-* ``tls``: TLS 1.3 records end to end in user space (``ssl``).
+  TLS would leave. Each direction's key ratchets every 65,536 frames.
+* ``tls``: TLS 1.3 records end to end in user space (``ssl``, which cannot update
+  a session's keys: the consumer retires a connection past 64 GiB, ``_frames``).
 * ``ktls``: TLS 1.3 records handed to the kernel (``OP_ENABLE_KTLS``), where
   the Python build and kernel allow it; elsewhere the agent logs why once and
   uses ``frames``.
@@ -52,10 +55,11 @@ from dataclasses import dataclass
 log = logging.getLogger("raydirect")
 
 ENCRYPT_ENV = "RAYDIRECT_ENCRYPT"
+ALLOW_CLEAR_ENV = "RAYDIRECT_ALLOW_CLEAR"
 RECORDS_ENV = "RAYDIRECT_TLS_RECORDS"
 RAY_FILES = ("RAY_TLS_SERVER_CERT", "RAY_TLS_SERVER_KEY", "RAY_TLS_CA_CERT")
-TLS_MARK = "/tls/"  # in an agent address: /tls/ca (Ray's CA) or /tls/<sha-256 hex>
-RAY_CA = "ca"
+TLS_MARK = "/tls/"  # in an agent address: /tls/ca-<sha-256 hex> (Ray's CA) or /tls/<sha-256 hex>
+RAY_CA = "ca"  # a pin that starts with it: Ray's CA, then the certificate's fingerprint
 
 # What an agent reports (LocalStats.encryption, raydirect status).
 NONE, TLS, KTLS = "none", "tls", "ktls"
@@ -83,6 +87,28 @@ def encryption_wanted() -> bool:
     raise ValueError(
         f"{ENCRYPT_ENV}={raw!r}: expected 1 (encrypt), 0 (do not), or unset it to "
         "encrypt exactly when Ray's TLS is on (RAY_USE_TLS=1)"
+    )
+
+
+def encryption_setting() -> str:
+    """What makes this process encrypt (for messages)."""
+    raw = os.environ.get(ENCRYPT_ENV, "").strip()
+    if raw.lower() in ("", "auto"):
+        return "Ray's TLS (RAY_USE_TLS=1)"
+    return f"{ENCRYPT_ENV}={raw}"
+
+
+def clear_allowed() -> bool:
+    """``RAYDIRECT_ALLOW_CLEAR=1``: an encrypting process still reads bytes that cross
+    from other nodes in clear (a mixed cluster); unset or 0: it refuses them."""
+    raw = os.environ.get(ALLOW_CLEAR_ENV, "").strip().lower()
+    if raw in ("", "0", "false", "off", "no"):
+        return False
+    if raw in ("1", "true", "on", "yes"):
+        return True
+    raise ValueError(
+        f"{ALLOW_CLEAR_ENV}={raw!r}: expected 1 (an encrypting process may read clear bytes "
+        "from other nodes) or 0 (it refuses them; the default)"
     )
 
 
@@ -171,12 +197,21 @@ class ServerSecurity:
     """An encrypting agent's TLS side of its stream port."""
 
     context: ssl.SSLContext
-    pin: str  # what its address carries after TLS_MARK: RAY_CA or the fingerprint
+    pin: str  # what its address carries after TLS_MARK: ca-<fingerprint> or the fingerprint
     records: str  # FRAMES, RECORDS or KTLS: the record layer it serves
 
     @property
     def mode(self) -> str:
         return KTLS if self.records == KTLS else TLS
+
+
+def _leaf_der(path: str) -> bytes:
+    """The certificate a server presents from PEM file ``path``: its first."""
+    with open(path) as f:
+        text = f.read()
+    start = text.index(ssl.PEM_HEADER)
+    end = text.index(ssl.PEM_FOOTER, start) + len(ssl.PEM_FOOTER)
+    return ssl.PEM_cert_to_DER_cert(text[start:end])
 
 
 def server_security() -> ServerSecurity:
@@ -188,7 +223,7 @@ def server_security() -> ServerSecurity:
         ctx.load_cert_chain(cert, key)
         ctx.load_verify_locations(ca)
         ctx.verify_mode = ssl.CERT_REQUIRED  # mutual: no certificate from Ray's CA, no stream
-        pin = RAY_CA
+        pin = f"{RAY_CA}-{fingerprint(_leaf_der(cert))}"
     else:
         cert_pem, key_pem = _self_signed()
         with tempfile.TemporaryDirectory(prefix="raydirect-tls-") as folder:
@@ -210,16 +245,22 @@ def server_security() -> ServerSecurity:
     return ServerSecurity(ctx, pin, records)
 
 
+def ray_ca(pin: str) -> bool:
+    """Does ``pin`` name a server of Ray's CA (mutual TLS)?"""
+    return pin == RAY_CA or pin.startswith(RAY_CA + "-")
+
+
 def client_context(pin: str) -> ssl.SSLContext:
     """The consumer's TLS context for servers whose address carries ``pin``."""
-    return _client_context(pin, ray_files() if pin == RAY_CA else None)
+    mutual = ray_ca(pin)
+    return _client_context(mutual, ray_files() if mutual else None)
 
 
 @functools.lru_cache(maxsize=8)
-def _client_context(pin: str, files: tuple[str, str, str] | None) -> ssl.SSLContext:
+def _client_context(mutual: bool, files: tuple[str, str, str] | None) -> ssl.SSLContext:
     ctx = _base_context(ssl.PROTOCOL_TLS_CLIENT)
-    ctx.check_hostname = False  # nodes are named by address; trust is the CA or the pin
-    if pin == RAY_CA:
+    ctx.check_hostname = False  # nodes are named by address; trust is the CA and the pin
+    if mutual:
         if files is None:
             raise ValueError(
                 "the producer's stream port uses Ray's TLS certificates (mutual TLS), but "
@@ -235,11 +276,11 @@ def _client_context(pin: str, files: tuple[str, str, str] | None) -> ssl.SSLCont
 
 
 def check_pin(sock: ssl.SSLSocket, pin: str) -> None:
-    """After the handshake: the server's certificate is the one the address names."""
-    if pin == RAY_CA:
-        return  # verified against Ray's CA by the handshake itself
+    """After the handshake (which checked a Ray CA server's chain): the server's
+    certificate is the one the address names."""
     der = sock.getpeercert(binary_form=True) or b""
-    if not hmac.compare_digest(fingerprint(der), pin):
+    want = pin.removeprefix(RAY_CA + "-") if ray_ca(pin) else pin
+    if not hmac.compare_digest(fingerprint(der), want):
         raise ssl.SSLError(
             "the stream port presented a certificate other than the one its agent's "
             "address names (a different process now holds that port, or someone is "

@@ -89,7 +89,7 @@ def client_keys() -> tuple[bytes, bytes]:
 
 
 CURVE_MARK = "/curve/"  # tcp://ip:port/curve/<the agent's CURVE public key, hex>
-TLS_MARK = "/tls/"  # then, when its stream port encrypts: /tls/ca or /tls/<sha-256 hex>
+TLS_MARK = "/tls/"  # then, when its stream port encrypts: /tls/ca-<sha-256 hex> or /tls/<hex>
 
 
 @dataclasses.dataclass(frozen=True)

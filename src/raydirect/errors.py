@@ -81,6 +81,8 @@ class ProducerLostError(RaydirectError):
 
     Raised in a consumer, within a bounded time (never a hang), naming the
     producer. The tensors are gone: re-run the producer method to make them again.
+    In the producer, a handler the agent runs raises it when the object was freed
+    while the request waited; the agent answers "lost", and the consumer raises it.
     """
 
     @classmethod
@@ -89,6 +91,11 @@ class ProducerLostError(RaydirectError):
             f"the producer {who} {what_happened}; the object's tensors are lost. "
             "Re-run the producer to make them again."
         )
+
+    @classmethod
+    def freed_meanwhile(cls) -> ProducerLostError:
+        """In the producer: the object was freed while a request for it waited."""
+        return cls("the object was freed while the request waited")
 
 
 class GroupError(RaydirectError):

@@ -288,9 +288,40 @@ def scenario_transfers(address: str) -> dict[str, Any]:
         attempt(results, f"gloo/{kind}/driver", lambda r=ref, k=kind: driver_read(r, k))
         del ref
 
+    encrypting_consumer_reads(results, producer, consumer)
+
     # raydirect status sees both nodes' agents at their nodes' addresses.
     attempt(results, "status", lambda: status_rows(address))
     return results
+
+
+def encrypting_consumer_reads(results: dict[str, Any], producer: Any, consumer: Any) -> None:
+    """A consumer on node A that encrypts (RAYDIRECT_ENCRYPT=1) reads node B's clear
+    producer (refused), an encrypting producer on node B, and a clear producer on
+    its own node; another one, with RAYDIRECT_ALLOW_CLEAR=1, reads B's clear one."""
+    encrypt = {"RAYDIRECT_ENCRYPT": "1"}
+    strict = Consumer.options(**on("nodeA"), runtime_env={"env_vars": encrypt}).remote()
+    mixed_env = {"env_vars": {**encrypt, "RAYDIRECT_ALLOW_CLEAR": "1"}}
+    mixed = Consumer.options(**on("nodeA"), runtime_env=mixed_env).remote()
+    sealed = Producer.options(**on("nodeB"), runtime_env={"env_vars": encrypt}).remote()
+    reads = {
+        "clear_across": (strict, producer),
+        "sealed_across": (strict, sealed),
+        "clear_same_node": (strict, consumer),
+        "allowed_clear_across": (mixed, producer),
+    }
+    for name, (reader, maker) in reads.items():
+        ref = maker.make_tcp.remote("pattern")
+        attempt(
+            results,
+            f"encrypting/{name}",
+            lambda r=reader, ref=ref: ray.get(
+                r.read_nested.remote([ref], "pattern"), timeout=GET_TIMEOUT_S
+            ),
+        )
+        del ref
+    for actor in (strict, mixed, sealed):
+        ray.kill(actor)
 
 
 def scenario_node_loss(address: str) -> dict[str, Any]:

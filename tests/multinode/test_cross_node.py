@@ -79,6 +79,22 @@ def test_driver_outside_the_group_reads_gloo_object_over_tcp(report, kind):
     assert entry(report, f"gloo/{kind}/driver") == {"mismatch": None, "received": {"tcp": 1}}
 
 
+def test_an_encrypting_consumer_refuses_clear_bytes_from_another_node(report):
+    """RAYDIRECT_ENCRYPT=1 on the consumer only: node B's clear producer is refused
+    (naming it, the setting and the fixes); an encrypting one on node B, a clear one
+    on the consumer's own node, and node B's clear one with RAYDIRECT_ALLOW_CLEAR=1
+    are read."""
+    refused = report["encrypting/clear_across"]
+    assert "error" in refused, refused
+    error = refused["error"]
+    assert error["type"] == "TransferError", error
+    assert f"pid {report['producer']['pid']} on {mn_harness.ADDR_WORKER}" in error["message"]
+    assert "RAYDIRECT_ENCRYPT=1" in error["message"]
+    assert "RAYDIRECT_ALLOW_CLEAR=1" in error["message"]
+    for read in ("sealed_across", "clear_same_node", "allowed_clear_across"):
+        assert entry(report, f"encrypting/{read}") == {"mismatch": None, "received": {"tcp": 1}}
+
+
 def test_status_shows_agents_bound_to_node_addresses(report):
     rows = entry(report, "status")
     ip_of = {report["producer"]["node_id"]: mn_harness.ADDR_WORKER}

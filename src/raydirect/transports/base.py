@@ -109,9 +109,9 @@ class WriteGate:
 
     def close(self) -> None:
         """No read starts writing from now on; returns once none is writing. A
-        writer stops at its next piece (at most a few ms), or, where its
-        transport cannot stop midway (a posted collective receive), at its end
-        or its deadline."""
+        writer stops at its next piece (at most a few ms; a ``tcp`` stream after
+        its next receive), or, where its transport cannot stop midway (a posted
+        collective receive), at its end or its deadline."""
         with self._cond:
             self.closed = True
             self._cond.wait_for(lambda: self._writers == 0)
@@ -392,7 +392,8 @@ class ByteTransport(TensorTransportManager):
         producer is gone, ``TimeoutError`` past ``link.deadline``,
         ``TransportUnavailableError`` when this transport cannot reach it,
         ``TransferError`` otherwise. After a raise the destinations may hold
-        some, all or none of the bytes."""
+        some, all or none of the bytes, never bytes that failed authentication
+        (an encrypted stream's)."""
 
     def ask_producer(
         self, ch: Channel, obj_id: bytes, comm_meta: PeerMetadata, **extra: Any

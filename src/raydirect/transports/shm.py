@@ -34,7 +34,7 @@ from raydirect import _process
 from raydirect._channel import channel
 from raydirect._ranges import Ranges
 from raydirect._tensors import arena_layout
-from raydirect.errors import TransferError
+from raydirect.errors import ProducerLostError, TransferError
 from raydirect.transports.base import ByteTransport, PeerMetadata
 
 if TYPE_CHECKING:
@@ -271,6 +271,8 @@ class ShmTransport(ByteTransport):
 
     def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> int:
         with obj.lock:  # consumers arriving together share one staging copy
+            if obj.freed:  # after its free released its state: a segment would leak
+                raise ProducerLostError.freed_meanwhile()
             state = obj.transport_state.get(self.name)
             if state is None:
                 offsets, total = arena_layout(obj.metas)

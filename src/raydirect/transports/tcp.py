@@ -113,13 +113,18 @@ def _receive_streams(
     except (KeyError, TypeError, ValueError) as exc:
         raise TransferError(f"corrupt reply from {who}: a bad stream offer") from exc
 
-    def watch() -> None:  # on this thread, between pieces: the producer, and the gate
+    def watch() -> None:  # on this thread, when a socket idles: the producer
         ch.check_peer(who, link.deadline)
-        link.check_deadline()
 
-    try:
+    try:  # every stream stops within one receive once the call's gate closes
         _stream_client.receive(
-            peer, ticket, secret, [byte_view(d) for d in dests], link.deadline, watch
+            peer,
+            ticket,
+            secret,
+            [byte_view(d) for d in dests],
+            link.deadline,
+            watch,
+            link.check_deadline,
         )
     except TimeoutError:
         raise
