@@ -1,4 +1,4 @@
-"""raydirect against Ray's object store and Ray's RDT, seven workloads, one Ray session.
+"""raydirect against Ray's object store and Ray's RDT, eight workloads, one Ray session.
 
 1. actor -> actor, one tensor, 4 KiB ... 1 GiB
 2. weight sync: a 256 MiB state dict of 200 tensors to 1, 2 and 4 consumers
@@ -7,11 +7,12 @@
 5. the driver reads one 512 MiB tensor
 6. weight sync through the weight API: 256 MiB as 1, 200 and 5,000 tensors
 7. weight sync from a sharded trainer: 256 MiB, rows on N ranks to columns on N workers
+8. medium transfers: 4 KiB to 16 MiB against the two calls they ride on (µs per transfer)
 
 Every value moved is checked. Tables (markdown, with ratios) go to stdout,
 progress lines to stderr. See benchmarks/README.md for what each row means.
 
-    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7] [--quick] [--groups ...]
+    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7,8] [--quick] [--groups ...]
                           [--json out.json] [--plot out.png]
 """
 
@@ -63,6 +64,8 @@ DEFAULTS = {  # option -> (full run, --quick)
     "driver_size": ("512MiB", "64MiB"),
     "repeats": (5, 2),  # REPEATS, QUICK_REPEATS
     "sync_steps": (10, 2),
+    "medium_sizes": ("4KiB,64KiB,256KiB,1MiB,4MiB,16MiB", "4KiB,1MiB"),
+    "rounds": (40, 3),
 }
 REPEATS, QUICK_REPEATS = 5, 2
 LARGE_REPEATS = 3  # full run: for operations moving LARGE_REPEATS_FROM bytes or more
@@ -80,7 +83,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return f"[{full} / {quick}]"
 
     parser.add_argument(
-        "--workloads", default="1,2,3,4,5,6,7", help="which workloads to run, e.g. 1,3 [all]"
+        "--workloads", default="1,2,3,4,5,6,7,8", help="which workloads to run, e.g. 1,3 [all]"
     )
     parser.add_argument(
         "--groups",
@@ -119,6 +122,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--json", metavar="PATH", help="write every raw timing here ('-': stdout, tables to stderr)"
     )
     parser.add_argument(
+        "--medium-sizes", help=f"workload 8: comma-separated sizes {default('medium_sizes')}"
+    )
+    parser.add_argument(
+        "--rounds", type=int, help=f"workload 8: interleaved rounds {default('rounds')}"
+    )
+    parser.add_argument(
         "--plot", metavar="PNG", help="write GB/s against size (workloads 1 and 2) here"
     )
     args = parser.parse_args(argv)
@@ -138,6 +147,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
     try:
         args.size_list = [parse_size(s) for s in pick("sizes").split(",") if s.strip()]
+        args.medium_list = [parse_size(s) for s in pick("medium_sizes").split(",") if s.strip()]
         args.state_bytes = parse_size(pick("state_size"))
         args.part_bytes = parse_size(pick("part_size"))
         args.driver_bytes = parse_size(pick("driver_size"))
@@ -151,6 +161,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown workload(s) {sorted(unknown_w)}; choose from {sorted(WORKLOADS)}")
     args.consumer_list = ints(pick("consumers"), "--consumers")
     args.round_trip_count = ints(pick("round_trips"), "--round-trips")[0]
+    args.round_count = ints(pick("rounds"), "--rounds")[0]
     args.group_list = [g.strip() for g in args.groups.split(",") if g.strip()]
     unknown = set(args.group_list) - set(GROUPS)
     if unknown:
@@ -187,6 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         round_trips=args.round_trip_count,
         part_bytes=args.part_bytes,
         driver_bytes=args.driver_bytes,
+        medium_sizes=args.medium_list,
+        medium_rounds=args.round_count,
     )
     # PyTorch reads this on its first large allocation: set before any, so the
     # in-process floors get the same allocator as the workers.
@@ -233,6 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "round_trips": config.round_trips,
             "part_bytes": config.part_bytes,
             "driver_bytes": config.driver_bytes,
+            "medium_sizes": config.medium_sizes,
+            "medium_rounds": config.medium_rounds,
             "quick": args.quick,
             "ray_num_cpus": RAY_NUM_CPUS,
         }

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 CLI = [sys.executable, "-m", "raydirect.cli"]
-WORKLOADS = {1, 2, 3, 4, 5, 6, 7}
+WORKLOADS = {1, 2, 3, 4, 5, 6, 7, 8}
 
 
 def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
@@ -28,6 +28,8 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
         "--part-size", "64KiB",
         "--driver-size", "1MiB",
         "--repeats", "1",
+        "--medium-sizes", "4KiB,1MiB",
+        "--rounds", "2",
     ]  # fmt: skip
     png = tmp_path / "bench.png"
     plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
@@ -52,6 +54,16 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
     assert (1, "raydirect auto") in systems and (1, "ray object store") in systems
     assert (3, "ray actor call") in systems and (5, "raydirect auto") in systems
     assert (6, "raydirect WeightPublisher, 4-way sharded") in systems
+    # workload 8: the two calls' baseline, raydirect, the object store and the floor at each size
+    for system in (
+        "the two calls, returning an int",
+        "raydirect auto",
+        "ray object store",
+        "floor: one copy into fresh memory",
+    ):
+        assert {(8, system, p) for p in ("4KiB", "1MiB")} <= {
+            (r["workload"], r["system"], r["param"]) for r in rows if r["skipped"] is None
+        }, system
     # the floor of a sharded load: one copy of rank 0's bytes, in one process
     assert (6, "floor: in-process copy, 4-way sharded") in systems
     # workload 7: 2 ranks -> 2 workers (the consumer counts from 2), every system and

@@ -132,6 +132,10 @@ class _Producer(PatternSource):
     def small(self, seed: int, numel: int) -> torch.Tensor:
         return self._small(seed, numel)
 
+    def number(self, name: str) -> int:
+        """Workload 8's baseline: the call of ``one``, returning an int (the seed)."""
+        return int(self.tensors[name][0])
+
     def stats(self) -> dict[str, Any]:
         return asdict(rd.local_stats())
 
@@ -252,6 +256,12 @@ class CheckingConsumer:
     def consume(self, tensor: Any, seed: int, nbytes: int) -> int:
         """Workloads 1 and 5's peer: one tensor as a task argument."""
         check_pattern(tensor, seed, nbytes)
+        return nbytes
+
+    def take_number(self, value: int, seed: int, nbytes: int) -> int:
+        """Workload 8's baseline: the call of ``consume``, taking an int."""
+        if value != seed:
+            raise ValueError(f"took {value}, expected {seed}")
         return nbytes
 
     def load(self, how: str, arg: Any, seed: int, layout: Layout) -> int:

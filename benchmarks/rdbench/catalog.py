@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rdbench.common import OBJECT_STORE, PLAIN_CALL, RDT_GLOO, Workload
 from rdbench.driver import to_driver
+from rdbench.medium import TWO_CALLS, medium, medium_targets
 from rdbench.reshard import GATHER_PUBLISH, reshard, reshard_targets
 from rdbench.weights import weight_api, weight_targets
 from rdbench.workloads import (
@@ -69,6 +70,15 @@ WORKLOADS = {
             (GATHER_PUBLISH,),
             reshard,
             reshard_targets,
+        ),
+        Workload(
+            8,
+            "medium transfers, 4 KiB to 16 MiB, against the two calls they ride on",
+            "size",
+            "us",
+            (TWO_CALLS, OBJECT_STORE, RDT_GLOO),
+            medium,
+            medium_targets,
         ),
     ]
 }

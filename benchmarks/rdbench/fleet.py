@@ -44,6 +44,8 @@ class Config:
     round_trips: int  # workload 3
     part_bytes: int  # workload 4, per ref
     driver_bytes: int  # workload 5
+    medium_sizes: list[int] = field(default_factory=list)  # workload 8
+    medium_rounds: int = 40  # workload 8: interleaved rounds after the cold one
 
     def wants(self, group: str) -> bool:
         return group in self.groups
@@ -85,7 +87,8 @@ class Context:
         to import torch, and in parallel those seconds overlap."""
         cfg = self.config
         consumers = max(cfg.consumers) if set(cfg.workloads) & {2, 6} else 1
-        if (cfg.wants(GROUP_RDT) or cfg.wants(GROUP_NIXL)) and set(cfg.workloads) & {1, 2, 3, 5, 6}:
+        rdt_workloads = {1, 2, 3, 5, 6, 8}
+        if (cfg.wants(GROUP_RDT) or cfg.wants(GROUP_NIXL)) and set(cfg.workloads) & rdt_workloads:
             log(f"starting RDT's producer and {consumers} consumer(s)")
             self._rdt_actors = [RdtProducer.remote()]
             self._rdt_actors += [RdtConsumer.remote() for _ in range(consumers)]
