@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 
 import pytest
@@ -16,6 +17,12 @@ from plugin_transports import SHM_DIR, plugin_files
 
 # Workers cannot import the tests directory: ship the helper actors by value.
 cloudpickle.register_pickle_by_value(actors)
+
+# tests/vllm runs in its own venv (.venv-vllm: vLLM's CPU build pins its own torch
+# and friends), as the second half of `./dev test`; elsewhere it is not collected.
+# (Without vLLM, "vllm" finds tests/vllm itself, a namespace package: no origin.)
+_vllm = importlib.util.find_spec("vllm")
+collect_ignore = [] if _vllm is not None and _vllm.origin is not None else ["vllm"]
 
 
 @pytest.fixture(scope="session")

