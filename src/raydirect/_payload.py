@@ -20,7 +20,6 @@ import functools
 import io
 import itertools
 import pickle
-import secrets
 import threading
 import weakref
 from collections.abc import Callable
@@ -222,7 +221,7 @@ class InlineValue:
     keys: list[int]
     label: str  # who made it, for messages
     # Names it for ``rd.set_target``, as a direct object's id does.
-    obj_id: bytes = field(default_factory=lambda: secrets.token_bytes(16))
+    obj_id: bytes = field(default_factory=_process.new_id)
     # Dense CPU tensors travel as one buffer (``_packed``); others pickled whole.
     tensors: list[Any] | None = None
     metas: TensorMetas | None = None

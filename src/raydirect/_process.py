@@ -8,6 +8,8 @@ liveness checks and shared-memory segment names use both.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import itertools
 import os
 import secrets
 import select
@@ -98,17 +100,28 @@ PID = os.getpid()
 START_TIME = start_time_of(PID)
 # Random per process: two Payloads with the same token were made in one process.
 PROCESS_TOKEN = secrets.token_bytes(16)
+_ID_KEY = secrets.token_bytes(32)
+_ids = itertools.count()
+
+
+def new_id() -> bytes:
+    """A 128-bit id, unique in this process (a counter) and across processes (a
+    keyed BLAKE2b of it, the key random per process). Object ids are made per
+    object: ``os.urandom`` stalls at times in these VMs (42 ms once in 20,000
+    calls here; median 0.55 us), the hash never does (0.8 us)."""
+    return hashlib.blake2b(next(_ids).to_bytes(8, "little"), key=_ID_KEY, digest_size=16).digest()
 
 
 def _new_identity() -> None:
     """A forked child is another process: its Payloads, segments and status key
     must not pass for its parent's."""
-    global PID, START_TIME, PROCESS_TOKEN, _pidfds_lock
+    global PID, START_TIME, PROCESS_TOKEN, _pidfds_lock, _ID_KEY
     _pidfds.clear()  # the parent's descriptors (inherited copies: left open)
     _pidfds_lock = threading.Lock()
     PID = os.getpid()
     START_TIME = start_time_of(PID)
     PROCESS_TOKEN = secrets.token_bytes(16)
+    _ID_KEY = secrets.token_bytes(32)
 
 
 os.register_at_fork(after_in_child=_new_identity)
