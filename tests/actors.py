@@ -13,7 +13,7 @@ import ray
 import torch
 
 import raydirect as rd
-from raydirect.testing import mismatch
+from raydirect.testing import mismatch, wait_read_counts
 
 
 def make_value(case: str) -> Any:
@@ -335,6 +335,11 @@ class Consumer:
 
     def stats(self) -> rd.LocalStats:
         return rd.local_stats()
+
+    def read_counted(self, refs: list[ray.ObjectRef]) -> bool:
+        """Read ``refs``, then wait until their producers have counted the reads."""
+        rd.get(refs, timeout=60)
+        return wait_read_counts(timeout=30)
 
     def get_into(self, case: str, refs: list[ray.ObjectRef], transport: str | None = None) -> Any:
         """Receive into tensors of this actor's own; report what a user would check."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import logging
 import time
 
 import pytest
@@ -107,6 +108,22 @@ def test_put_from_driver_task_and_actor(pair):
     assert check_value("views", ray.get(from_task)) is None
     [from_actor] = ray.get(p.put.remote("numpy"))
     assert ray.get(task_check.remote("numpy", from_actor)) is None
+
+
+def test_a_driver_publishing_logs_no_ray_warning(ray_session):
+    """Naming the object's maker in a driver asked Ray for a task name, which Ray
+    answers there with a warning on every put or publish."""
+    seen: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: seen.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("ray")
+    logger.addHandler(handler)
+    try:
+        rd.put(torch.ones(4))
+        rd.WeightPublisher({"w": torch.ones(4)}, depth=0).publish(1)
+    finally:
+        logger.removeHandler(handler)
+    assert not [m for m in seen if "only available when the process is a worker" in m], seen
 
 
 def test_ref_passed_back_to_its_producer_is_the_same_tensor(pair):

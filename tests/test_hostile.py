@@ -148,7 +148,8 @@ def test_fuzzed_control_messages_are_refused(producer, batch):
             assert sock.poll(max(1, int((deadline - time.monotonic()) * 1000))), "agent silent"
             reply = json.loads(sock.recv())
             if reply.get("ok"):
-                assert "stats" in reply or "known" in reply, reply  # harmless answers only
+                harmless = ("stats", "known", "counted")  # a batch of read notices: 0 counted
+                assert any(k in reply for k in harmless), reply  # harmless answers only
                 seen_ours = seen_ours or "stats" in reply
             else:
                 assert reply["kind"] in ("bad_request", "lost", "unauthenticated"), reply

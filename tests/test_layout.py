@@ -12,6 +12,7 @@ import ast
 from pathlib import Path
 
 import pytest
+import tomllib
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "raydirect"
 MODULE_LINES = 500
@@ -76,3 +77,18 @@ def test_the_checks_catch_what_they_look_for(tmp_path: Path):
     (f,) = _functions(ast.parse(source))
     assert f.end_lineno - f.lineno + 1 == FUNCTION_LINES  # type: ignore[operator]
     assert any(_imports_raydirect(n) for n in ast.walk(f))
+
+
+def test_the_vllm_integration_is_kept_to_the_public_api():
+    """The import-linter contract that keeps raydirect.vllm a client must name every
+    private module: one added later and left out would be open to it."""
+    config = tomllib.loads((SRC.parent.parent / "pyproject.toml").read_text())
+    contract = next(
+        c
+        for c in config["tool"]["importlinter"]["contracts"]
+        if c.get("source_modules") == ["raydirect.vllm"]
+    )
+    private = {f"raydirect.{p.stem}" for p in SRC.glob("_*.py") if p.stem != "__init__"}
+    private |= {"raydirect.transports", "raydirect.cli", "raydirect.testing", "raydirect.errors"}
+    missing = private - set(contract["forbidden_modules"])
+    assert not missing, f"add {sorted(missing)} to the contract's forbidden_modules"

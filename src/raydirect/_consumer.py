@@ -275,7 +275,7 @@ def _read_bytes(
     over ``shm``."""
     producer = payload.producer
     same_node = producer.node_id == _ray.node_id()
-    comm = PeerMetadata(producer, payload.capability, deadline, same_node, gate)
+    comm = PeerMetadata(producer, payload.capability, deadline, same_node, gate, payload.nbytes)
     try:
         try:
             with _writing(gate):

@@ -39,7 +39,7 @@ from raydirect._payload import (
 )
 from raydirect._ranges import ByteViews
 from raydirect._server import CONTROL, DATA, PLUGIN, Reply
-from raydirect._store import StoredObject, store
+from raydirect._store import StoredObject, capability_of, store
 from raydirect._tensors import TensorMetas, flat_bytes, storage_keys, version_counters
 from raydirect.errors import ProducerLostError, TransferError
 from raydirect.transports import nixl
@@ -245,9 +245,10 @@ def _forget_earlier_sessions() -> None:
 
 
 def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
+    obj_id, nbytes = secrets.token_bytes(16), parts.metas.total_bytes()
     obj = StoredObject(
-        obj_id=secrets.token_bytes(16),
-        capability=secrets.token_bytes(16),
+        obj_id=obj_id,
+        capability=capability_of(obj_id, nbytes),
         originals=parts.originals,
         buffers=_byte_views(parts),
         metas=parts.metas,
@@ -255,7 +256,7 @@ def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
         storages=storage_keys(parts.tensors),
         label=label,
         transport=transport,
-        nbytes=parts.metas.total_bytes(),
+        nbytes=nbytes,
     )
     store.add(obj)
     return obj
@@ -331,27 +332,36 @@ def _serve_fetch(obj: StoredObject, request: dict[str, Any], reply: Reply) -> No
 
 
 def _serve_sent(request: dict[str, Any], reply: Reply) -> None:
-    """A one-sided read finished: count it (all bytes, or the ranges read), check
-    for in-place writes. The consumer's notice races Ray's free of the object, so
-    a read of an object freed since counts too, against the capability the store
-    remembers for it."""
+    """One-sided reads finished (a batch from one consumer's notice thread,
+    ``_notices``): count each (all bytes, or the ranges read), check for in-place
+    writes, answer when asked. A notice races Ray's free of its object, so a read
+    of an object freed since counts too: its capability vouches for its size."""
+    reads = request.get("reads")
+    counted = 0
+    for read in reads if isinstance(reads, list) else ():
+        counted += _count_read(read)
+    if _wire.wants_reply(request):
+        reply.send({"ok": True, "counted": counted})
+
+
+def _count_read(read: Any) -> int:
     try:
-        obj_id, capability = bytes.fromhex(request["obj"]), bytes.fromhex(request["cap"])
-    except (KeyError, TypeError, ValueError):  # a notice gets no reply: nothing to refuse
+        obj_hex, cap_hex, transport, nbytes, total = read
+        obj_id, capability = bytes.fromhex(obj_hex), bytes.fromhex(cap_hex)
+        if not (isinstance(total, int) and isinstance(nbytes, int) and 0 <= total < 1 << 63):
+            raise ValueError("bad size")
+    except (TypeError, ValueError):  # nothing to refuse: the batch's others still count
         log.debug("raydirect agent: a malformed read notice dropped")
-        return
-    found = store.read_of(obj_id, capability)
+        return 0
+    found = store.read_of(obj_id, capability, total)
     if found is None:  # never logs a capability, nor more of an id than tells objects apart
-        log.debug(
-            "raydirect agent: a read of %s reported, not held nor freed lately", obj_id.hex()[:8]
-        )
-        return
+        log.debug("raydirect agent: a read of %s reported, not made here", obj_id.hex()[:8])
+        return 0
     obj, held = found
     if obj is not None:
         obj.check_unmodified()
-    nbytes = request.get("nbytes")
-    nbytes = min(nbytes, held) if isinstance(nbytes, int) and nbytes >= 0 else held
-    store.count_sent(str(request.get("transport", "?")), nbytes)
+    store.count_sent(str(transport)[:32], min(nbytes, held) if nbytes >= 0 else held)
+    return 1
 
 
 def _serve_abort(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:

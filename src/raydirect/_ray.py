@@ -65,12 +65,11 @@ def ensure_ray() -> None:
 def current_task_label() -> str:
     """A short human name of what runs here, for error messages: ``Class.method``,
     ``task_name``, or ``driver``."""
-    ctx = ray.get_runtime_context()
-    try:
-        name = ctx.get_task_name()
-    except Exception:  # outside a task (driver) some Ray versions raise
-        name = None
-    return name or "driver"
+    from ray._private.worker import global_worker
+
+    if global_worker.mode != ray.WORKER_MODE:  # Ray logs a warning if a driver asks
+        return "driver"
+    return ray.get_runtime_context().get_task_name() or "driver"
 
 
 def current_actor_id() -> str | None:

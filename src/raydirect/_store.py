@@ -13,14 +13,16 @@ the first object or transfer (``on_first_use``).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 import os
 import queue
+import secrets
 import threading
 import time
 import warnings
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -34,7 +36,16 @@ from raydirect._tensors import UNTRACKED, TensorMetas, storage_key
 
 log = logging.getLogger("raydirect")
 
-_FREED_REMEMBERED = 1024  # reads are reported milliseconds after they end
+_KEY = secrets.token_bytes(32)  # this process's: capabilities are keyed hashes
+
+
+def capability_of(obj_id: bytes, nbytes: int) -> bytes:
+    """The 128-bit capability of object ``obj_id`` of ``nbytes`` bytes: a keyed
+    BLAKE2b hash, so this process can check a capability (and the size it
+    vouches for) long after the object is freed, with nothing remembered.
+    A consumer reports a one-sided read after it ends, and Ray may have freed
+    the object by then (its last ref can go as soon as the read returns)."""
+    return hashlib.blake2b(obj_id + nbytes.to_bytes(8, "little"), key=_KEY, digest_size=16).digest()
 
 
 @dataclass(frozen=True)
@@ -115,10 +126,6 @@ class Store:
         self._sent_bytes: Counter[str] = Counter()
         self._received: Counter[str] = Counter()
         self._received_bytes: Counter[str] = Counter()
-        # Recently freed objects: id -> (capability, bytes). A consumer reports a
-        # one-sided read after it, and Ray may free the object first (its last ref can
-        # go as soon as the read returns): the read counts all the same.
-        self._freed: OrderedDict[bytes, tuple[bytes, int]] = OrderedDict()
         self._free_queue: queue.SimpleQueue[bytes] = queue.SimpleQueue()
         self._reaper: threading.Thread | None = None
         self._free_hooks: list[Callable[[StoredObject], None]] = []
@@ -132,7 +139,6 @@ class Store:
         self._objects = {}
         self._lock = threading.Condition()
         self._holders.clear()
-        self._freed.clear()
         self._nbytes = 0
         for counter in (self._held, self._held_bytes, self._sent, self._sent_bytes):
             counter.clear()
@@ -203,9 +209,6 @@ class Store:
             self._nbytes -= obj.nbytes
             self._held[obj.transport] -= 1
             self._held_bytes[obj.transport] -= obj.nbytes
-            self._freed[obj_id] = (obj.capability, obj.nbytes)
-            if len(self._freed) > _FREED_REMEMBERED:
-                self._freed.popitem(last=False)
         with obj.lock:  # a preparation finishing from now on releases its own state
             obj.freed = True
         # Release transport state (a pooled segment) before waking waiters, so a
@@ -222,15 +225,19 @@ class Store:
                 self._holders.pop(key, None)
             self._lock.notify_all()
 
-    def read_of(self, obj_id: bytes, capability: bytes) -> tuple[StoredObject | None, int] | None:
-        """For a read a consumer reports: (the object, if still held; its bytes), when
-        ``capability`` is its own and it is held or was freed lately; else None."""
+    def read_of(
+        self, obj_id: bytes, capability: bytes, nbytes: int
+    ) -> tuple[StoredObject | None, int] | None:
+        """For a read a consumer reports of an object of ``nbytes`` bytes: (the
+        object, if still held; its bytes), when ``capability`` is the one this
+        process made for it, held or freed however long ago; else None."""
         with self._lock:
             obj = self._objects.get(obj_id)
-            known = (obj.capability, obj.nbytes) if obj is not None else self._freed.get(obj_id)
-        if known is None or not hmac.compare_digest(known[0], capability):
-            return None
-        return obj, known[1]
+        if obj is not None:
+            return (obj, obj.nbytes) if hmac.compare_digest(obj.capability, capability) else None
+        if hmac.compare_digest(capability_of(obj_id, nbytes), capability):
+            return None, nbytes
+        return None
 
     def clear(self) -> None:
         """Drop every object (their leases belong to a Ray session that ended)."""
@@ -308,4 +315,11 @@ class Store:
 store = Store()
 
 
+def _new_key() -> None:
+    # A forked child is another process: its capabilities are not its parent's.
+    global _KEY
+    _KEY = secrets.token_bytes(32)
+
+
 os.register_at_fork(after_in_child=store.forget_after_fork)
+os.register_at_fork(after_in_child=_new_key)

@@ -44,9 +44,10 @@ GROUP_LEAVE = "group_leave"  # _group_api: destroy the group in this member
 
 # Fire-and-forget: a reply would sit unread in the sender's cached channel and
 # be taken as the answer to its next request.
-NOTIFY_OPS = frozenset({SENT, ABORT})
-# Answered only when the request says ``"reply": true``.
-OPTIONAL_REPLY_OPS = frozenset({GROUP_BROKEN, GROUP_LEAVE})
+NOTIFY_OPS = frozenset({ABORT})
+# Answered only when the request says ``"reply": true`` (read notices: by a
+# thread of their own, whose channel carries nothing else).
+OPTIONAL_REPLY_OPS = frozenset({SENT, GROUP_BROKEN, GROUP_LEAVE})
 
 # Refusal kinds in replies, and what the consumer raises for each.
 LOST = "lost"

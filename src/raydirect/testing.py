@@ -31,9 +31,21 @@ import ray
 import torch
 
 import raydirect as rd
+from raydirect._notices import notices
 
 CASES = ("dtypes", "views", "aliasing", "nested", "large")
 _FREE_TIMEOUT_S = 30.0
+
+
+def wait_read_counts(timeout: float | None = 10.0) -> bool:
+    """In a process that read objects over one-sided transports (``cma``,
+    ``cuda_ipc``, ``nixl``): wait until every such read it made so far is counted
+    in its producer's ``rd.local_stats()`` (``objects_sent``, ``bytes_sent``), or
+    dropped because that producer is gone. A read is reported after the call that
+    made it returns, by a thread of its own: its count lands a few ms later on an
+    idle machine, seconds later under a flood of requests to the producer.
+    Returns False if some were still uncounted at ``timeout`` seconds."""
+    return notices.settle(timeout)
 
 
 def make_value(case: str, data_type: type = torch.Tensor) -> Any:

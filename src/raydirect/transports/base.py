@@ -48,7 +48,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from raydirect import _channel, _process, _wire
+from raydirect import _notices, _process, _wire
 from raydirect._channel import Channel
 from raydirect._ranges import Ranges
 from raydirect.errors import ProducerLostError
@@ -130,6 +130,7 @@ class PeerMetadata(CommunicatorMetadata):
     deadline: float | None = None  # time.monotonic() by which the transfer must finish
     same_node: bool = False  # the producer runs on this node: its pid can be checked
     gate: WriteGate | None = None  # the call's gate: closed, the transfer stops
+    nbytes: int = 0  # the object's bytes, which its capability vouches for (read notices)
 
     @property
     def who(self) -> str:
@@ -369,18 +370,17 @@ class ByteTransport(TensorTransportManager):
         self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
     ) -> None:
         """What the orchestration calls: ``receive``, then the "sent" notice for
-        transports whose reads the producer's agent does not see."""
+        transports whose reads the producer's agent does not see (queued: a
+        thread of its own sends it, ``_notices``)."""
         self.receive(obj_id, extra, link, ranges)
         if self.notify_sent:
-            _channel.notify(
-                link.producer.agent_address,
-                {
-                    "op": _wire.SENT,
-                    "obj": obj_id.hex(),
-                    "cap": link.capability.hex(),
-                    "transport": self.name,
-                    "nbytes": ranges.nbytes,
-                },
+            producer = link.producer
+            same_node = link.same_node
+            _notices.notices.post(
+                producer.agent_address,
+                producer.pid if same_node else 0,
+                producer.start_time if same_node else 0,
+                [obj_id.hex(), link.capability.hex(), self.name, ranges.nbytes, link.nbytes],
             )
 
     @abstractmethod

@@ -1,0 +1,24 @@
+"""Registration of the backend with vLLM's two factories."""
+
+from __future__ import annotations
+
+from vllm.distributed.weight_transfer.factory import (
+    WeightTransferEngineFactory,
+    WeightTransferTrainerFactory,
+)
+
+BACKEND = "raydirect"
+
+
+def register() -> None:
+    """Registers ``"raydirect"`` on the worker and trainer factories; idempotent
+    (vLLM calls general plug-ins once per process, importing this package calls it
+    again). Lazy: the engines' modules load only when vLLM creates one."""
+    if BACKEND not in WeightTransferEngineFactory._registry:
+        WeightTransferEngineFactory.register_engine(
+            BACKEND, "raydirect.vllm.worker", "RaydirectWeightTransferEngine"
+        )
+    if BACKEND not in WeightTransferTrainerFactory._registry:
+        WeightTransferTrainerFactory.register_engine(
+            BACKEND, "raydirect.vllm.trainer", "RaydirectTrainerWeightTransferEngine"
+        )

@@ -1,0 +1,77 @@
+"""Where a worker receives a version before the model is touched.
+
+A ``Receiver`` holds one staging tensor per published tensor the worker reads,
+kept across updates (no fresh allocation, no page faults after the first), and
+a ``rd.WeightSubscriber`` over them: with tensor parallelism each staging tensor
+receives only this worker's slice (``shard=``). vLLM's loaders expect whole
+checkpoint tensors and slice them themselves, so each is handed a whole-shaped
+view laid over the staging memory with the slice's strides: the loader's own
+slice of that view is exactly the bytes received, and the rest of it is never
+read (nor, being untouched, ever backed by memory).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+import raydirect as rd
+from raydirect.vllm.landing import Box, Survey
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+
+
+def _slice_of(full: tuple[int, ...], box: Box) -> tuple[int, int, int] | None:
+    """``box`` as ``(dim, start, stop)``, None for the whole tensor; a box cut
+    along more than one dim is taken whole (no vLLM loader cuts so)."""
+    cut = [d for d, (s, n) in enumerate(zip(*box, strict=True)) if (s, n) != (0, full[d])]
+    if len(cut) != 1:
+        return None
+    d = cut[0]
+    return d, box[0][d], box[0][d] + box[1][d]
+
+
+class Receiver:
+    """Staging for one published layout (names, dtypes, global shapes) in one worker."""
+
+    def __init__(
+        self, published: list[tuple[str, torch.dtype, tuple[int, ...]]], plan: Survey
+    ) -> None:
+        self.whole: dict[str, torch.Tensor] = {}  # what the loaders get
+        self._staged: dict[str, torch.Tensor] = {}  # what the subscriber fills
+        self._slices: dict[str, tuple[int, int, int]] = {}
+        for name, dtype, shape in published:
+            if name not in plan.reads:
+                continue  # no loader of this worker reads it
+            cut = _slice_of(shape, plan.reads[name])
+            if cut is None:
+                self._staged[name] = self.whole[name] = torch.empty(shape, dtype=dtype)
+                continue
+            dim, start, stop = cut
+            local = (*shape[:dim], stop - start, *shape[dim + 1 :])
+            strides = _strides(local)
+            span = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+            memory = torch.empty(span, dtype=dtype)
+            self.whole[name] = memory.as_strided(shape, strides, 0)
+            self._staged[name] = memory.as_strided(local, strides, start * strides[dim])
+            self._slices[name] = cut
+        self.bytes = sum(t.numel() * t.element_size() for t in self._staged.values())
+        self._sub = rd.WeightSubscriber(self._staged, shard=self._shard, strict=False)
+
+    def _shard(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        return self._slices.get(name)
+
+    def receive(self, handles: list[Any], timeout: float) -> None:
+        """Every staged tensor's bytes of the version ``handles`` (one per trainer
+        rank) hold; raises ``rd.WeightSyncError`` if any fails to arrive."""
+        self._sub.version = None  # the engine, not the subscriber, orders versions
+        self._sub.load(handles, timeout=timeout)
+
+    def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, whole-shaped tensor) for ``model.load_weights``."""
+        yield from self.whole.items()

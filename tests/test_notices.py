@@ -1,0 +1,79 @@
+"""Read notices (issue 32, item 6): a one-sided read's count reaches its producer
+off the reader's path, and is never lost while the producer lives: not when
+thousands of objects were freed before it arrived, not when the producer's
+agent was too busy to take it. ``raydirect.testing.wait_read_counts`` waits for
+them."""
+
+from __future__ import annotations
+
+import ray
+import torch
+
+from raydirect import _admission, _process, _producer
+from raydirect._notices import notices
+from raydirect._store import store
+from raydirect.testing import wait_read_counts
+
+import actors
+
+NBYTES = 200_000
+
+
+def _sent() -> tuple[int, int]:
+    now = store.stats()
+    return now.objects_sent.get("cma", 0), now.bytes_sent.get("cma", 0)
+
+
+def _report(payload, capability: bytes, nbytes: int = NBYTES) -> None:
+    """What a consumer's read posts (here the driver reads its own agent's object)."""
+    read = [payload.obj_id.hex(), capability.hex(), "cma", nbytes, payload.nbytes]
+    notices.post(payload.producer.agent_address, _process.PID, _process.START_TIME, read)
+
+
+def test_a_read_reported_after_thousands_of_frees_counts(ray_session):
+    # The store remembered the last 1,024 freed objects: a read reported after
+    # more frees than that was dropped. A capability now vouches for its object
+    # (a keyed hash of its id and size), however long ago it was freed.
+    payload = _producer.export([torch.ones(NBYTES // 4)], "cma", inline=False)
+    store.free(payload.obj_id)  # what Ray's free does, here ahead of the report
+    for _ in range(1100):
+        other = _producer.export([torch.ones(4)], "cma", inline=False)
+        store.free(other.obj_id)
+    before = _sent()
+    _report(payload, b"\0" * 16)  # not its capability: never counts
+    _report(payload, payload.capability, nbytes=NBYTES // 2)  # a ranged read: its own bytes
+    _report(payload, payload.capability, nbytes=10 * NBYTES)  # never more than the object
+    assert wait_read_counts(timeout=30)
+    got = _sent()
+    assert (got[0] - before[0], got[1] - before[1]) == (2, NBYTES // 2 + NBYTES)
+
+
+def test_a_busy_agent_gets_the_notice_again(ray_session, monkeypatch):
+    # Admission refused the notice as busy and it was dropped; now the notice
+    # thread sends it again (with a growing pause) until it is counted.
+    payload = _producer.export([torch.ones(NBYTES // 4)], "cma", inline=False)
+    before = _sent()
+    with monkeypatch.context() as busy:
+        busy.setattr(_admission, "PEER_IN_FLIGHT", 0)  # every request refused: busy
+        _report(payload, payload.capability)
+        assert not wait_read_counts(timeout=0.5)
+        assert _sent() == before
+    assert wait_read_counts(timeout=30)
+    got = _sent()
+    assert (got[0] - before[0], got[1] - before[1]) == (1, NBYTES)
+    store.free(payload.obj_id)
+
+
+def test_counts_settle_for_a_reader_that_waits(ray_session):
+    p, c = actors.Producer.remote(), actors.Consumer.remote()
+    try:
+        refs = [p.big.remote(1 << 20, 3) for _ in range(3)]  # cma: one-sided
+        before = ray.get(p.stats.remote())
+        assert ray.get(c.read_counted.remote(refs)) is True
+        after = ray.get(p.stats.remote())  # no polling: settled before the call returned
+        sent = after.objects_sent.get("cma", 0) - before.objects_sent.get("cma", 0)
+        nbytes = after.bytes_sent.get("cma", 0) - before.bytes_sent.get("cma", 0)
+        assert (sent, nbytes) == (3, 3 << 20)
+    finally:
+        ray.kill(p)
+        ray.kill(c)
