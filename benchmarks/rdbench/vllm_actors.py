@@ -92,11 +92,9 @@ def samples(worker: Any) -> dict[str, Any]:
     }
 
 
-def received(worker: Any) -> tuple[int, int]:
-    """This worker's bytes received through raydirect so far, and its parameters' bytes."""
-    model = worker.model_runner.get_model()
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return sum(rd.local_stats().bytes_received.values()), params
+def received(worker: Any) -> int:
+    """This worker's bytes received through raydirect so far."""
+    return sum(rd.local_stats().bytes_received.values())
 
 
 # ---------------------------------------------------------------- actors

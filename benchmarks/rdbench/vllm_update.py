@@ -102,9 +102,15 @@ class _Model:
 
     path: str
     nbytes: int
+    vector_bytes: int  # the norms: whole on every tensor-parallel worker; the rest is split
     norm: torch.Tensor
     embed: torch.Tensor  # the first rows of each tensor-parallel-2 worker's slice, as saved
     deltas: dict[str, int] = field(default_factory=dict)  # trainer -> deltas applied
+
+    def worker_bytes(self, tp: int) -> int:
+        """A worker's share at tensor parallel ``tp``: every matrix of a Llama is
+        split over the workers, every vector whole on each."""
+        return self.vector_bytes + (self.nbytes - self.vector_bytes) // tp
 
 
 def _save_model(config: dict[str, Any], where: str) -> _Model:
@@ -118,7 +124,8 @@ def _save_model(config: dict[str, Any], where: str) -> _Model:
     nbytes = sum(t.numel() * t.element_size() for t in state.values())
     half = embed.shape[0] // 2
     firsts = torch.stack([embed[:4], embed[half : half + 4]]).clone()
-    return _Model(where, nbytes, state["model.norm.weight"].clone(), firsts)
+    vectors = sum(t.numel() * t.element_size() for t in state.values() if t.dim() == 1)
+    return _Model(where, nbytes, vectors, state["model.norm.weight"].clone(), firsts)
 
 
 def _check(model: _Model, trainer: str, got: list[dict[str, Any]], tp: int) -> None:
@@ -262,7 +269,8 @@ def _operations(
     if point == FSDP:
         for system, name in ((SHARDED, "sharded"), (GATHERED, "gathered")):
             engine = fleet.engines[system]
-            ops[system] = raydirect(engine, fleet.ranks, f"rdbench-fsdp-{name}", f"fsdp-{name}")
+            # one model on the ranks, stepped by both systems: one count of its deltas
+            ops[system] = raydirect(engine, fleet.ranks, f"rdbench-fsdp-{name}", "fsdp")
         return ops
     engine = fleet.engines[point]
     trainer = fleet.trainer
@@ -334,9 +342,10 @@ def _count_bytes(
         except Exception as exc:
             row.error = f"counting bytes: {describe_error(exc)}"
             continue
-        row.measured[WORKER_BYTES] = max(
-            (b - a) / params for (a, _), (b, params) in zip(workers, after, strict=True)
-        )
+        # vLLM's own parameters cannot be counted: on CPU it repacks every linear
+        # layer's weight for oneDNN and leaves the parameter empty.
+        share = fleet.model.worker_bytes(2 if point == TP2 else 1)
+        row.measured[WORKER_BYTES] = max(b - a for a, b in zip(workers, after, strict=True)) / share
         for rank, (a, b) in enumerate(zip(sent, sent_after, strict=True)):
             row.measured[f"{RANK_BYTES}{rank}"] = (b - a) / fleet.model.nbytes
 
