@@ -40,9 +40,12 @@ PRODUCER_STEPS = [
     ("raydirect._producer", "_extract_all"),
     ("raydirect._lease", "LeasePool.take"),
     ("raydirect._payload", "Payload.__reduce__"),
+    ("raydirect._payload", "InlineValue.of"),
+    ("raydirect._payload", "InlineValue.__reduce__"),
 ]
 CONSUMER_STEPS = [
     ("raydirect._payload", "_rebuild"),
+    ("raydirect._payload", "_rebuild_inline"),
     ("raydirect._consumer", "choose_transport"),
     ("raydirect._consumer", "allocate_bytes"),
     ("raydirect._consumer", "_read_bytes"),

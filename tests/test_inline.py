@@ -102,3 +102,21 @@ def test_an_actor_returning_one_tensor_keeps_one_entry(inline_pair):
     refs = [p.keep_same.remote() for _ in range(300)]
     assert all(t.tolist() == list(range(10)) for t in ray.get(refs))
     assert ray.get(p.inline_entries.remote()) == entries
+
+
+@pytest.mark.parametrize(
+    "case", ["dtypes", "views", "aliasing", "numpy", "grad_state", "tied", "params"]
+)
+def test_an_inline_value_travels_as_one_buffer(case):
+    # Pickled one by one, torch tensors cost 116 us to pickle and 140 us to
+    # unpickle at 64 KiB (torch saves each storage as a file): an inline value's
+    # tensors now travel as one buffer, and arrive exactly.
+    value = actors.make_value(case)
+    inline = export(value, "auto")
+    assert isinstance(inline, _payload.InlineValue)
+    blob = cloudpickle.dumps(inline)
+    assert b"_rebuild_tensor" not in blob and b"_load_from_bytes" not in blob
+    rebuild, state = inline.__reduce__()
+    state = pickle.loads(cloudpickle.dumps(state))
+    got = rebuild(b"another process", *state[1:])  # as another process rebuilds it
+    assert actors.check_value(case, got) is None

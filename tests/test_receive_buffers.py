@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from raydirect._tensors import POOL_ENV, _ReceiveRegions, _regions, allocate_bytes
+from raydirect import _tensors
+from raydirect._tensors import POOL_ENV, _ReceiveRegions, allocate_bytes
 
 MiB = 1 << 20
 
@@ -58,16 +59,17 @@ def test_medium_arenas_come_from_reused_regions(monkeypatch):
     of a 2.8 ms cross-memory read here; from a region kept mapped, 0.4 ms. The
     region is the caller's while any view of it lives, and is reused after."""
     monkeypatch.setenv(POOL_ENV, str(256 * MiB))
-    idle = _regions.idle_bytes()
+    pool = _ReceiveRegions()  # this test's own: earlier tests' idle regions are trimmed
+    monkeypatch.setattr(_tensors, "_regions", pool)
     first = allocate_bytes(1 * MiB)
     ptr = first.data_ptr()
     kept = allocate_bytes(1 * MiB)  # the first still lives: another region
     assert kept.data_ptr() != ptr
     del first
-    assert _regions.idle_bytes() == idle + 2 * MiB  # one huge page, idle again
+    assert pool.idle_bytes() == 2 * MiB  # one huge page, idle again
     again = allocate_bytes(1 * MiB)
     assert again.data_ptr() == ptr
     small = allocate_bytes(512 << 10)  # below 1 MiB: ordinary memory, never pooled
     del small
-    assert _regions.idle_bytes() == idle
+    assert pool.idle_bytes() == 0
     del kept, again

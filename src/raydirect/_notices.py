@@ -11,8 +11,10 @@ No notice is lost while its producer lives: each batch asks for an answer, and
 a batch the agent refuses as busy (its admission is full) is sent again, with
 a growing pause, for up to ``_GIVE_UP_S``. A producer that is gone takes its
 counts with it: its notices are dropped, and its channel closed. How soon
-counts settle: a few ms after the read on an idle machine, seconds under a
-flood of requests to the producer; ``settle`` waits for this process's.
+counts settle: the thread sends once reads pause for 2 ms (at most 20 ms
+after the first waiting), so 2-20 ms and a round trip after the read on an
+idle machine, seconds under a flood of requests to the producer; ``settle``
+sends at once and waits for this process's.
 An exiting process waits up to ``_EXIT_WAIT_S`` for its notices.
 """
 
@@ -37,6 +39,15 @@ _ANSWER_S = 10.0  # for a batch's answer; then it is sent again
 _GIVE_UP_S = 60.0  # a producer busy (or silent) this long: its notices are dropped, logged
 _PAUSE_S = (0.005, 0.5)  # between tries at a busy producer: first, most
 _EXIT_WAIT_S = 0.5
+# Sent once reads have paused this long, or this long after the first waiting
+# one: the reader's process runs one Python thread at a time, and a notice sent
+# while its reader still works cost that reader 0.3-0.4 ms of GIL per transfer
+# here (then a batch rides on one message too).
+_QUIET_S = 0.002
+_LINGER_S = 0.02
+# Nor is the thread woken by each read: while reads come, it looks every
+# _LINGER_S; after _AWAKE_S without one it sleeps until the next read.
+_AWAKE_S = 1.0
 
 
 @dataclass
@@ -62,6 +73,10 @@ class Notices:
         self._waiting: dict[str, _Producer] = {}
         self._unsettled = 0  # reads posted and not yet answered (or dropped)
         self._thread: threading.Thread | None = None
+        self._last_post = 0.0
+        self._first_post: float | None = None  # of the reads waiting, unsent
+        self._hurry = 0  # callers of settle waiting: send at once
+        self._asleep = False  # the thread waits for a read to wake it
 
     def post(self, address: str, pid: int, start_time: int, read: list[Any]) -> None:
         """Queue one read's notice (``[obj, cap, transport, nbytes, total]``) for the
@@ -75,7 +90,11 @@ class Notices:
                 producer = self._waiting[address] = _Producer(address, pid, start_time)
             producer.reads.append(read)
             self._unsettled += 1
-            self._cond.notify_all()
+            self._last_post = time.monotonic()
+            if self._first_post is None:
+                self._first_post = self._last_post
+            if self._asleep:
+                self._cond.notify_all()
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._send_forever, name="raydirect-notices", daemon=True
@@ -87,18 +106,26 @@ class Notices:
         dropped, its producer gone); False if some still wait at ``timeout``."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while self._unsettled:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    return False
-                self._cond.wait(remaining)
+            self._hurry += 1
+            self._cond.notify_all()
+            try:
+                while self._unsettled:
+                    remaining = None if deadline is None else deadline - time.monotonic()
+                    if remaining is not None and remaining <= 0:
+                        return False
+                    self._cond.wait(remaining)
+            finally:
+                self._hurry -= 1
         return True
 
     def _send_forever(self) -> None:
         while True:
             with self._cond:
                 while not self._ready():
-                    self._cond.wait(self._pause())
+                    pause = self._pause()
+                    self._asleep = pause is None
+                    self._cond.wait(pause)
+                    self._asleep = False
                 now = time.monotonic()
                 due = [p for p in self._waiting.values() if p.reads and p.not_before <= now]
                 batches = [(p, p.reads[:_BATCH]) for p in due]
@@ -117,11 +144,24 @@ class Notices:
 
     def _ready(self) -> bool:
         now = time.monotonic()
-        return any(p.reads and p.not_before <= now for p in self._waiting.values())
+        first = self._first_post
+        lingering = first is not None and now - first < _LINGER_S
+        if lingering and not self._hurry and now - self._last_post < _QUIET_S:
+            return False  # the reader may still be at work
+        ready = any(p.reads and p.not_before <= now for p in self._waiting.values())
+        if ready:
+            self._first_post = None
+        return ready
 
     def _pause(self) -> float | None:
+        """How long to wait before looking again; None: until a read wakes us."""
+        now = time.monotonic()
         later = [p.not_before for p in self._waiting.values() if p.reads]
-        return max(0.0, min(later) - time.monotonic()) if later else None
+        if self._first_post is not None:
+            later.append(min(self._last_post + _QUIET_S, self._first_post + _LINGER_S))
+        if later:
+            return max(0.0, min(later) - now)
+        return _LINGER_S if now - self._last_post < _AWAKE_S else None
 
     def _deliver(self, producer: _Producer, batch: list[list[Any]]) -> bool:
         """Send one batch and wait for its answer: True once it is counted, or

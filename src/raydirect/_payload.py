@@ -20,13 +20,13 @@ import functools
 import io
 import itertools
 import pickle
-import secrets
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import ray
 import torch
 from ray import cloudpickle
@@ -34,7 +34,14 @@ from ray.actor import ActorHandle
 
 from raydirect import _compression as compression
 from raydirect import _process, _ray
-from raydirect._tensors import TensorMetas, as_tensor, describe_all
+from raydirect._tensors import (
+    TensorMetas,
+    arena_layout,
+    as_tensor,
+    describe_all,
+    flat_bytes,
+    tensors_from_arena,
+)
 from raydirect.errors import RaydirectError
 
 # Stands in ``Payload.transport_meta`` for metadata the producer still prepares
@@ -214,24 +221,57 @@ class InlineValue:
     keys: list[int]
     label: str  # who made it, for messages
     # Names it for ``rd.set_target``, as a direct object's id does.
-    obj_id: bytes = field(default_factory=lambda: secrets.token_bytes(16))
+    obj_id: bytes = field(default_factory=_process.new_id)
+    # Dense CPU tensors travel as one buffer (``_packed``); others pickled whole.
+    tensors: list[Any] | None = None
+    metas: TensorMetas | None = None
 
     @classmethod
     def of(cls, parts: SplitValue, label: str) -> InlineValue:
         keys = [_inline_key(original) for original in parts.originals]
-        return cls(parts.skeleton, parts.originals, parts.handles, keys, label)
+        value = cls(parts.skeleton, parts.originals, parts.handles, keys, label)
+        if all([t.layout == torch.strided and not t.is_quantized for t in parts.tensors]):
+            value.tensors, value.metas = parts.tensors, parts.metas
+        return value
 
     def __reduce__(self):
+        if self.metas is not None and self.tensors is not None:
+            packed = (self.metas.pack(), _packed(self.tensors, self.metas))
+            originals: Any = None
+        else:
+            packed, originals = None, self.originals
         state = (
             _process.PROCESS_TOKEN,
             self.obj_id,
             self.label,
             self.skeleton,
-            self.originals,
+            originals,
             self.handles,
             self.keys,
+            packed,
         )
         return (_rebuild_inline, state)
+
+
+def _packed(tensors: list[Any], metas: TensorMetas) -> bytes:
+    """Every tensor's bytes in one buffer, laid out as a receive arena. Pickled
+    one by one, torch tensors cost 116 us to pickle and 140 us to unpickle for
+    64 KiB here (torch saves each storage as a file); one buffer 21 us."""
+    offsets, total = arena_layout(metas)
+    arena = torch.empty(total, dtype=torch.uint8)
+    for tensor, offset, nbytes in zip(tensors, offsets, metas.nbytes, strict=True):
+        if nbytes:
+            arena[offset : offset + nbytes].copy_(flat_bytes(tensor))
+    return arena.numpy().tobytes()
+
+
+def _unpacked(packed: tuple[bytes, bytes]) -> tuple[list[Any], TensorMetas]:
+    metas = TensorMetas.unpack(packed[0])
+    offsets, total = arena_layout(metas)
+    arena = torch.empty(total, dtype=torch.uint8)  # ordinary memory: the caller's to keep
+    if total:
+        arena.numpy()[:] = np.frombuffer(packed[1], dtype=np.uint8)
+    return tensors_from_arena(arena, metas, offsets), metas
 
 
 class _Made:
@@ -272,13 +312,19 @@ def _rebuild_inline(
     obj_id: bytes,
     label: str,
     skeleton: bytes,
-    tensors: list[Any],
+    tensors: list[Any] | None,
     handles: list[Any],
     keys: list[int],
+    packed: tuple[bytes, bytes] | None = None,
 ) -> Any:
+    metas = None
+    if packed is not None:
+        tensors, metas = _unpacked(packed)
+    assert tensors is not None
     if token == _process.PROCESS_TOKEN:
         tensors = [_inline_original(k, t) for k, t in zip(keys, tensors, strict=True)]
-    payload = InlinePayload(obj_id, skeleton, handles, tensors, _Made(label))
+        metas = None  # the originals, whatever they are: described again if asked
+    payload = InlinePayload(obj_id, skeleton, handles, tensors, _Made(label), metas)
     if deferred.active:
         return PendingFetch(payload)
     if _fetcher is None:

@@ -8,8 +8,13 @@ liveness checks and shared-memory segment names use both.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import itertools
 import os
 import secrets
+import select
+import threading
+from collections import OrderedDict
 
 
 def start_time_of(pid: int) -> int:
@@ -28,23 +33,95 @@ def start_time_of(pid: int) -> int:
 
 
 def process_alive(pid: int, start_time: int) -> bool:
-    """Is the process ``pid`` that started at ``start_time`` still running (same node)?"""
-    return start_time_of(pid) == start_time != 0
+    """Is the process ``pid`` that started at ``start_time`` still running (same node)?
+
+    Asked before every same-node read: reading ``/proc/<pid>/stat`` costs 30 us
+    here; a pidfd, opened once per process and checked against its start time
+    then, tells the same by one poll (it turns readable when the process exits,
+    zombie or reaped) in a few."""
+    if start_time == 0:
+        return False
+    fd = _pidfd(pid, start_time)
+    if fd is None:  # no pidfds here (an old kernel, a seccomp filter): read /proc
+        return start_time_of(pid) == start_time
+    if fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    if not poller.poll(0):
+        return True
+    with _pidfds_lock:
+        if _pidfds.get((pid, start_time)) == fd:
+            _pidfds[(pid, start_time)] = -1  # gone for good: remembered, fd closed
+            os.close(fd)
+    return False
+
+
+_PIDFDS = 64  # processes watched at once; the least recently asked about are let go
+_pidfds: OrderedDict[tuple[int, int], int] = OrderedDict()  # -1: known dead
+_pidfds_lock = threading.Lock()
+_pidfd_open = getattr(os, "pidfd_open", None)
+
+
+def _pidfd(pid: int, start_time: int) -> int | None:
+    """A pidfd of the process (pid, start_time): -1 if it is gone, None if this
+    system has no pidfds."""
+    key = (pid, start_time)
+    with _pidfds_lock:
+        fd = _pidfds.get(key)
+        if fd is not None:
+            _pidfds.move_to_end(key)
+            return fd
+    if _pidfd_open is None:
+        return None
+    try:
+        fd = _pidfd_open(pid)
+    except ProcessLookupError:
+        fd = -1
+    except OSError:  # ENOSYS, EPERM: not here
+        return None
+    if fd >= 0 and start_time_of(pid) != start_time:  # the pid is another process's now
+        os.close(fd)
+        fd = -1
+    with _pidfds_lock:
+        if key in _pidfds:  # another thread was first
+            if fd >= 0:
+                os.close(fd)
+            return _pidfds[key]
+        _pidfds[key] = fd
+        while len(_pidfds) > _PIDFDS:
+            old = _pidfds.popitem(last=False)[1]
+            if old >= 0:
+                os.close(old)
+    return fd
 
 
 PID = os.getpid()
 START_TIME = start_time_of(PID)
 # Random per process: two Payloads with the same token were made in one process.
 PROCESS_TOKEN = secrets.token_bytes(16)
+_ID_KEY = secrets.token_bytes(32)
+_ids = itertools.count()
+
+
+def new_id() -> bytes:
+    """A 128-bit id, unique in this process (a counter) and across processes (a
+    keyed BLAKE2b of it, the key random per process). Object ids are made per
+    object: ``os.urandom`` stalls at times in these VMs (42 ms once in 20,000
+    calls here; median 0.55 us), the hash never does (0.8 us)."""
+    return hashlib.blake2b(next(_ids).to_bytes(8, "little"), key=_ID_KEY, digest_size=16).digest()
 
 
 def _new_identity() -> None:
     """A forked child is another process: its Payloads, segments and status key
     must not pass for its parent's."""
-    global PID, START_TIME, PROCESS_TOKEN
+    global PID, START_TIME, PROCESS_TOKEN, _pidfds_lock, _ID_KEY
+    _pidfds.clear()  # the parent's descriptors (inherited copies: left open)
+    _pidfds_lock = threading.Lock()
     PID = os.getpid()
     START_TIME = start_time_of(PID)
     PROCESS_TOKEN = secrets.token_bytes(16)
+    _ID_KEY = secrets.token_bytes(32)
 
 
 os.register_at_fork(after_in_child=_new_identity)

@@ -15,7 +15,6 @@ import base64
 import functools
 import logging
 import os
-import secrets
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -245,7 +244,7 @@ def _forget_earlier_sessions() -> None:
 
 
 def _stored(parts: SplitValue, transport: str, label: str) -> StoredObject:
-    obj_id, nbytes = secrets.token_bytes(16), parts.metas.total_bytes()
+    obj_id, nbytes = _process.new_id(), parts.metas.total_bytes()
     obj = StoredObject(
         obj_id=obj_id,
         capability=capability_of(obj_id, nbytes),

@@ -42,7 +42,7 @@ def wait_read_counts(timeout: float | None = 10.0) -> bool:
     ``cuda_ipc``, ``nixl``): wait until every such read it made so far is counted
     in its producer's ``rd.local_stats()`` (``objects_sent``, ``bytes_sent``), or
     dropped because that producer is gone. A read is reported after the call that
-    made it returns, by a thread of its own: its count lands a few ms later on an
+    made it returns, by a thread of its own: its count lands 2-20 ms later on an
     idle machine, seconds later under a flood of requests to the producer.
     Returns False if some were still uncounted at ``timeout`` seconds."""
     return notices.settle(timeout)
