@@ -1,4 +1,4 @@
-"""raydirect against Ray's object store and Ray's RDT, eight workloads, one Ray session.
+"""raydirect against Ray's object store and Ray's RDT, nine workloads, one Ray session.
 
 1. actor -> actor, one tensor, 4 KiB ... 1 GiB
 2. weight sync: a 256 MiB state dict of 200 tensors to 1, 2 and 4 consumers
@@ -8,11 +8,14 @@
 6. weight sync through the weight API: 256 MiB as 1, 200 and 5,000 tensors
 7. weight sync from a sharded trainer: 256 MiB, rows on N ranks to columns on N workers
 8. medium transfers: 4 KiB to 16 MiB against the two calls they ride on (µs per transfer)
+9. one whole weight update of a vLLM engine (~320 MiB Llama) through the raydirect backend
+   (needs vLLM: bash scripts/setup-vllm-venv.sh && .venv-vllm/bin/python benchmarks/bench.py
+   --workloads 9; elsewhere its rows are skipped)
 
 Every value moved is checked. Tables (markdown, with ratios) go to stdout,
 progress lines to stderr. See benchmarks/README.md for what each row means.
 
-    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7,8] [--quick] [--groups ...]
+    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7,8,9] [--quick] [--groups ...]
                           [--json out.json] [--plot out.png]
 """
 
@@ -83,7 +86,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return f"[{full} / {quick}]"
 
     parser.add_argument(
-        "--workloads", default="1,2,3,4,5,6,7,8", help="which workloads to run, e.g. 1,3 [all]"
+        "--workloads", default="1,2,3,4,5,6,7,8,9", help="which workloads to run, e.g. 1,3 [all]"
     )
     parser.add_argument(
         "--groups",
@@ -200,6 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         driver_bytes=args.driver_bytes,
         medium_sizes=args.medium_list,
         medium_rounds=args.round_count,
+        quick=args.quick,
     )
     # PyTorch reads this on its first large allocation: set before any, so the
     # in-process floors get the same allocator as the workers.

@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 CLI = [sys.executable, "-m", "raydirect.cli"]
-WORKLOADS = {1, 2, 3, 4, 5, 6, 7, 8}
+WORKLOADS = {1, 2, 3, 4, 5, 6, 7, 8, 9}
 
 
 def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
@@ -64,6 +64,10 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
         assert {(8, system, p) for p in ("4KiB", "1MiB")} <= {
             (r["workload"], r["system"], r["param"]) for r in rows if r["skipped"] is None
         }, system
+    # workload 9 runs where vLLM is installed (.venv-vllm); here its rows say how to
+    if importlib.util.find_spec("vllm") is None:
+        nine = [r for r in rows if r["workload"] == 9]
+        assert nine and all("setup-vllm-venv.sh" in (r["skipped"] or "") for r in nine), nine
     # the floor of a sharded load: one copy of rank 0's bytes, in one process
     assert (6, "floor: in-process copy, 4-way sharded") in systems
     # workload 7: 2 ranks -> 2 workers (the consumer counts from 2), every system and

@@ -6,6 +6,7 @@ from rdbench.common import OBJECT_STORE, PLAIN_CALL, RDT_GLOO, Workload
 from rdbench.driver import to_driver
 from rdbench.medium import TWO_CALLS, medium, medium_targets
 from rdbench.reshard import GATHER_PUBLISH, reshard, reshard_targets
+from rdbench.vllm_update import FLOOR, NAIVE, vllm_targets, vllm_update
 from rdbench.weights import weight_api, weight_targets
 from rdbench.workloads import (
     VIA_DRIVER,
@@ -79,6 +80,15 @@ WORKLOADS = {
             (TWO_CALLS, OBJECT_STORE, RDT_GLOO),
             medium,
             medium_targets,
+        ),
+        Workload(
+            9,
+            "one whole weight update of a vLLM engine, a float32 Llama of ~320 MiB",
+            "engine",
+            "GB/s",
+            (NAIVE, FLOOR),
+            vllm_update,
+            vllm_targets,
         ),
     ]
 }

@@ -24,8 +24,12 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
-from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+from vllm.model_executor.model_loader.reload.layerwise import (
+    _get_original_loader,
+    get_layerwise_info,
+)
 from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape)
 _FILLS = {torch.Tensor.fill_, torch.Tensor.zero_}
@@ -135,6 +139,11 @@ def _on_meta(model: torch.nn.Module) -> Iterator[dict[int, Any]]:
     try:
         for module in model.modules():
             restore_layer_on_meta(module, get_layerwise_info(module))
+            # An earlier reload left vLLM's deferring wrapper on the stand-ins'
+            # loaders (it buffers instead of copying): the loader under it copies.
+            for t in get_layer_tensors(module).values():
+                if hasattr(t, "weight_loader"):
+                    t.weight_loader = _get_original_loader(t)
         yield {_storage(p): (name, p) for name, p in model.named_parameters() if p.is_meta}
     finally:
         for module, params, buffers, non_persistent in saved:
@@ -147,10 +156,13 @@ def _on_meta(model: torch.nn.Module) -> Iterator[dict[int, Any]]:
 
 
 def survey(
-    model: torch.nn.Module, published: list[tuple[str, torch.dtype, tuple[int, ...]]]
+    model: torch.nn.Module,
+    published: list[tuple[str, torch.dtype, tuple[int, ...]]],
+    tp: tuple[int, int] = (0, 1),
 ) -> Survey:
     """Runs ``model.load_weights`` on stand-ins of ``published`` (name, dtype,
-    global shape) and returns what this worker reads of each, and what is refused."""
+    global shape) and returns what this worker reads of each, and what is refused.
+    ``tp``: this worker's tensor-parallel (rank, size)."""
     out = Survey()
     with _on_meta(model) as params, torch.no_grad():
         probes: dict[int, tuple[str, tuple[int, ...]]] = {}
@@ -173,4 +185,20 @@ def survey(
         if name in recorder.reads:
             box = recorder.reads[name]
             out.reads[name] = ((0,) * len(shape), shape) if box is None else box
+            out.problems += _unread(name, shape, out.reads[name], tp)
     return out
+
+
+def _unread(name: str, shape: tuple[int, ...], box: Box, tp: tuple[int, int]) -> list[str]:
+    """A published tensor larger than the engine's: vLLM's loaders cut their slice
+    out of whatever they are given, so they would silently drop the rest. The
+    first tensor-parallel rank reads from the start of a cut dim, the last to its
+    end (padding and replicated heads included)."""
+    rank, size = tp
+    for d, (start, n) in enumerate(zip(*box, strict=True)):
+        if (rank == 0 and start != 0) or (rank == size - 1 and start + n != shape[d]):
+            return [
+                f"{name!r}: published with shape {shape}, of which the engine's model "
+                f"reads only [{start}, {start + n}) of dim {d}: not the shape it has"
+            ]
+    return []

@@ -24,6 +24,10 @@ from typing import Any, cast
 
 import ray
 import torch
+from vllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -75,6 +79,13 @@ def _join_ray(info: RaydirectInitInfo) -> None:
     )
 
 
+def _tensor_parallel() -> tuple[int, int]:
+    try:
+        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+    except AssertionError:  # no parallel state: a model outside an engine
+        return 0, 1
+
+
 class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, RaydirectUpdateInfo]):
     """The worker-side engine of the ``raydirect`` backend (see the module docstring)."""
 
@@ -118,9 +129,9 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
                 "raydirect: init_weight_transfer_engine was not called on this engine"
             )
         start = time.perf_counter()
+        handles = self._handles(update_info.version)
         receiver = self._receiver_for(update_info)
         planned = time.perf_counter()
-        handles = self._handles(update_info.version)
         try:
             receiver.receive(handles, self._timeout)
         except rd.WeightSyncError as exc:
@@ -159,7 +170,7 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
                 (n, getattr(torch, d), tuple(s))
                 for n, d, s in zip(update.names, update.dtype_names, update.shapes, strict=True)
             ]
-            plan = survey(self.model, published)
+            plan = survey(self.model, published, _tensor_parallel())
             if plan.problems:
                 shown = "; ".join(plan.problems[:_SHOWN])
                 more = len(plan.problems) - _SHOWN

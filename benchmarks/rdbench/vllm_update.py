@@ -1,0 +1,379 @@
+"""Workload 9: one whole weight update of a vLLM engine.
+
+The question (issue 31): how long does one update of a float32 Llama of about
+320 MiB (hidden 1024, 6 layers, vocab 8192) take through vLLM's weight-transfer
+API with the ``"raydirect"`` backend (``trainer.send_weights()``: publish, the
+engine's start/update/finish, the workers' pulls and loads), against
+
+- (a) the naive path: the trainer writes its full state dict as safetensors to
+  /dev/shm, and every worker reads the file back and runs ``load_weights`` under
+  vLLM's layerwise reload (``initialize_layerwise_reload`` /
+  ``finalize_layerwise_reload``, as its nccl engine does);
+- (b) the floor: the worker's ``load_weights`` of tensors already in its own
+  memory, under the same layerwise reload (timed inside the worker: no call);
+
+and does each worker of a tensor-parallel engine receive only its slice, and
+each rank of an FSDP2 trainer send only its shards?
+
+Points: tensor parallel 1 and 2 (one trainer process holding the model,
+vLLM's ``ModuleSource``), and a 2-rank FSDP2 trainer on gloo into a
+tensor-parallel-1 engine (``raydirect.vllm.ShardedModuleSource``: each rank
+publishes its own shards; against ``ModuleSource``, which gathers every tensor
+with ``full_tensor()`` on every rank first). Each system of the FSDP2 point has
+an engine of its own (an engine takes one trainer at a time).
+
+The systems of a point run in interleaved rounds, one update of each in turn.
+Untimed before each update, the trainer adds 1/16 to every parameter in place;
+after it, each worker's final norm and the first rows of its slice of the
+embedding are compared with the trainer's, exactly. Timed from the driver: (a) from the file's
+write to the last worker's load, raydirect from ``send_weights()``'s call to its
+return (on every rank). GB/s counts the model's bytes. Bytes moved, per worker
+(``rd.local_stats()`` in each worker) and per trainer rank, are counted over one
+update, untimed, and set beside its parameters' bytes.
+
+Run it in the vLLM venv: ``bash scripts/setup-vllm-venv.sh && .venv-vllm/bin/python
+benchmarks/bench.py --workloads 9``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+import torch
+
+from rdbench.common import SETUP_TIMEOUT_S, TRANSFER_TIMEOUT_S, Row, describe_error, log
+from rdbench.fleet import Context
+from rdbench.report import TargetLine, render_targets
+
+LLAMA = {  # ~320 MiB in float32: 6 x 11.2 M + 2 x 8.4 M parameters
+    "hidden_size": 1024,
+    "intermediate_size": 2816,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 4,
+    "vocab_size": 8192,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+}
+QUICK_LLAMA = {**LLAMA, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2}
+ENGINE_START_TIMEOUT_S = 600.0  # four engines start at once on 2 shared cores
+DELTA = 0.0625  # the trainer adds this to every parameter before each update
+SHM_FILE = "/dev/shm/rdbench-vllm-update.safetensors"
+
+RAYDIRECT = "raydirect backend, send_weights()"
+NAIVE = "(a) safetensors in /dev/shm, then load_weights"
+FLOOR = "floor (b): load_weights of tensors in memory"
+SHARDED = "raydirect backend, ShardedModuleSource"
+GATHERED = "raydirect backend, ModuleSource (gathers)"
+TP1, TP2, FSDP = "tensor parallel 1", "tensor parallel 2", "FSDP2 2 ranks -> tensor parallel 1"
+WORKER_BYTES = "worker bytes / its parameters"
+RANK_BYTES = "bytes sent / model, rank "
+TARGETS = [(RAYDIRECT, NAIVE, 0.75), (RAYDIRECT, FLOOR, 1.3)]
+INSTALL = (
+    "vLLM is not installed here; run: bash scripts/setup-vllm-venv.sh && "
+    ".venv-vllm/bin/python benchmarks/bench.py --workloads 9"
+)
+
+
+def vllm_missing() -> str | None:
+    if importlib.util.find_spec("vllm") is None:
+        return INSTALL
+    return None
+
+
+def backend_missing() -> str | None:
+    if importlib.util.find_spec("raydirect.vllm") is None:
+        return "raydirect.vllm (the backend) is not in this raydirect"
+    return None
+
+
+@dataclass
+class _Model:
+    """The checkpoint every process starts from, and what the check expects."""
+
+    path: str
+    nbytes: int
+    vector_bytes: int  # the norms: whole on every tensor-parallel worker; the rest is split
+    norm: torch.Tensor
+    embed: torch.Tensor  # the first rows of each tensor-parallel-2 worker's slice, as saved
+    deltas: dict[str, int] = field(default_factory=dict)  # trainer -> deltas applied
+
+    def worker_bytes(self, tp: int) -> int:
+        """A worker's share at tensor parallel ``tp``: every matrix of a Llama is
+        split over the workers, every vector whole on each."""
+        return self.vector_bytes + (self.nbytes - self.vector_bytes) // tp
+
+
+def _save_model(config: dict[str, Any], where: str) -> _Model:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**config)).to(torch.float32)
+    model.save_pretrained(where)
+    state = model.state_dict()
+    embed = state["model.embed_tokens.weight"]
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    half = embed.shape[0] // 2
+    firsts = torch.stack([embed[:4], embed[half : half + 4]]).clone()
+    vectors = sum(t.numel() * t.element_size() for t in state.values() if t.dim() == 1)
+    return _Model(where, nbytes, vectors, state["model.norm.weight"].clone(), firsts)
+
+
+def _check(model: _Model, trainer: str, got: list[dict[str, Any]], tp: int) -> None:
+    """Each worker's samples equal the trainer's tensors after its deltas."""
+    norm, embed = model.norm.clone(), model.embed.clone()
+    for _ in range(model.deltas.get(trainer, 0)):  # the trainer's own float32 sums
+        norm.add_(DELTA)
+        embed.add_(DELTA)
+    for sample in got:
+        rank = sample["rank"]
+        want = embed[0] if tp == 1 or rank == 0 else embed[1]
+        if not torch.equal(sample["norm"], norm) or not torch.equal(sample["embed"], want):
+            raise ValueError(
+                f"worker {rank}: weights differ from trainer {trainer}'s after "
+                f"{model.deltas.get(trainer, 0)} steps (largest difference: final norm "
+                f"{(sample['norm'] - norm).abs().max():.3g}, "
+                f"embedding {(sample['embed'] - want).abs().max():.3g})"
+            )
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Fleet:
+    """The engines and trainers of the workload, started at once (each engine takes
+    18-40 s alone), killed by ``close``."""
+
+    def __init__(self, actors: Any, model: _Model, backend: bool) -> None:
+        self.actors, self.model, self.backend = actors, model, backend
+        self.engines: dict[str, Any] = {}
+        self.trainer: Any = None
+        self.ranks: list[Any] = []
+
+    def start(self) -> None:
+        path, a = self.model.path, self.actors
+        self.engines[TP1] = a.Engine.remote(path, self.backend)
+        self.engines[TP2] = a.Engine.remote(path, self.backend, tensor_parallel_size=2)
+        self.trainer = a.Trainer.remote(path)
+        if self.backend:
+            for system in (SHARDED, GATHERED):
+                self.engines[system] = a.Engine.remote(path, True)
+            address = f"tcp://127.0.0.1:{_free_port()}"
+            self.ranks = [a.FsdpRank.remote(path, r, 2, address) for r in range(2)]
+        every = [*self.engines.values(), self.trainer, *self.ranks]
+        ray.get([x.__ray_ready__.remote() for x in every], timeout=ENGINE_START_TIMEOUT_S)
+        if self.backend:
+            calls = [
+                self.trainer.connect.remote([self.engines[TP1]], "rdbench-tp1"),
+                self.trainer.connect.remote([self.engines[TP2]], "rdbench-tp2"),
+            ]
+            for system, sharded in ((SHARDED, True), (GATHERED, False)):
+                name = f"rdbench-fsdp-{'sharded' if sharded else 'gathered'}"
+                calls += [
+                    r.connect.remote([self.engines[system]], name, sharded) for r in self.ranks
+                ]
+            ray.get(calls, timeout=SETUP_TIMEOUT_S)
+
+    def close(self) -> None:
+        for actor in [*self.engines.values(), self.trainer, *self.ranks]:
+            if actor is not None:
+                ray.kill(actor)
+        if os.path.exists(SHM_FILE):
+            os.unlink(SHM_FILE)
+
+
+def vllm_update(ctx: Context) -> list[Row]:
+    """Workload 9 (the module's docstring): the points one after the other, the
+    systems of each in interleaved rounds."""
+    quick = ctx.config.quick
+    rows = [Row(9, s, p, x, 0) for x, p in enumerate((TP1, TP2)) for s in (RAYDIRECT, NAIVE, FLOOR)]
+    rows += [Row(9, s, FSDP, 2, 0) for s in (SHARDED, GATHERED)]
+    missing = vllm_missing()
+    if missing:
+        for row in rows:
+            row.skipped = missing
+        return rows
+    no_backend = backend_missing()
+    if no_backend:
+        for row in rows:
+            if row.system not in (NAIVE, FLOOR):
+                row.skipped = no_backend
+    from rdbench import vllm_actors
+
+    with tempfile.TemporaryDirectory(prefix="rdbench-llama-") as where:
+        model = _save_model(QUICK_LLAMA if quick else LLAMA, where)
+        log(f"w9: a float32 Llama of {model.nbytes / (1 << 20):.0f} MiB in {where}")
+        for row in rows:
+            row.nbytes = model.nbytes
+        fleet = _Fleet(vllm_actors, model, backend=no_backend is None)
+        try:
+            log("w9: starting the engines and trainers")
+            fleet.start()
+        except Exception as exc:
+            fleet.close()
+            for row in rows:
+                row.error = row.error or f"setup failed: {describe_error(exc)}"
+            return rows
+        try:
+            repeats = ctx.config.repeats(model.nbytes)
+            for point in (TP1, TP2, FSDP):
+                family = {r.system: r for r in rows if r.param == point and not r.skipped}
+                if family:
+                    ops = _operations(fleet, point, family)
+                    _rounds(family, ops, repeats)
+                    _count_bytes(fleet, point, family, ops)
+        finally:
+            fleet.close()
+    return rows
+
+
+def _operations(
+    fleet: _Fleet, point: str, family: dict[str, Row]
+) -> dict[str, Callable[[], float]]:
+    """One timed update of each system at ``point``; each checks the engine after."""
+    model, a = fleet.model, fleet.actors
+    tp = 2 if point == TP2 else 1
+
+    def checked(engine: Any, trainer: str) -> None:
+        got = ray.get(engine.rpc.remote(a.samples), timeout=SETUP_TIMEOUT_S)
+        _check(model, trainer, got, tp)
+
+    def step(actors: list[Any], trainer: str) -> None:
+        ray.get([x.step.remote() for x in actors], timeout=SETUP_TIMEOUT_S)
+        model.deltas[trainer] = model.deltas.get(trainer, 0) + 1
+
+    def raydirect(engine: Any, actors: list[Any], name: str, trainer: str) -> Callable[[], float]:
+        def op() -> float:
+            step(actors, trainer)
+            start = time.perf_counter()
+            ray.get([x.send.remote(name) for x in actors], timeout=TRANSFER_TIMEOUT_S)
+            seconds = time.perf_counter() - start
+            checked(engine, trainer)
+            return seconds
+
+        return op
+
+    ops: dict[str, Callable[[], float]] = {}
+    if point == FSDP:
+        for system, name in ((SHARDED, "sharded"), (GATHERED, "gathered")):
+            engine = fleet.engines[system]
+            # one model on the ranks, stepped by both systems: one count of its deltas
+            ops[system] = raydirect(engine, fleet.ranks, f"rdbench-fsdp-{name}", "fsdp")
+        return ops
+    engine = fleet.engines[point]
+    trainer = fleet.trainer
+    if RAYDIRECT in family:
+        name = "rdbench-tp1" if tp == 1 else "rdbench-tp2"
+        ops[RAYDIRECT] = raydirect(engine, [trainer], name, "trainer")
+
+    def naive() -> float:
+        step([trainer], "trainer")
+        start = time.perf_counter()
+        ray.get(trainer.save.remote(SHM_FILE), timeout=TRANSFER_TIMEOUT_S)
+        ray.get(engine.rpc.remote(a.reload_from_file, SHM_FILE), timeout=TRANSFER_TIMEOUT_S)
+        seconds = time.perf_counter() - start
+        checked(engine, "trainer")
+        return seconds
+
+    def floor() -> float:
+        return max(ray.get(engine.rpc.remote(a.reload_stash), timeout=TRANSFER_TIMEOUT_S))
+
+    ops[NAIVE] = naive
+    ops[FLOOR] = floor
+    # The floor's tensors: the trainer's file, read into each worker once, untimed.
+    ray.get(trainer.save.remote(SHM_FILE), timeout=SETUP_TIMEOUT_S)
+    ray.get(engine.rpc.remote(a.stash_file, SHM_FILE), timeout=SETUP_TIMEOUT_S)
+    return ops
+
+
+def _rounds(family: dict[str, Row], ops: dict[str, Callable[[], float]], repeats: int) -> None:
+    """One cold update of each system, then ``repeats`` rounds of one each."""
+    live = {s: op for s, op in ops.items() if s in family}
+    for i in range(repeats + 1):
+        for system, op in list(live.items()):
+            row = family[system]
+            try:
+                seconds = op()
+            except Exception as exc:
+                row.error = describe_error(exc)
+                log(f"w9 {system} @ {row.param}: FAILED: {row.error}")
+                del live[system]
+                continue
+            if i == 0:
+                row.cold_s = seconds
+            else:
+                row.times_s.append(seconds)
+    for system in live:
+        row = family[system]
+        if row.times_s:
+            log(f"w9 {system} @ {row.param}: median {statistics.median(row.times_s) * 1e3:.0f} ms")
+
+
+def _count_bytes(
+    fleet: _Fleet, point: str, family: dict[str, Row], ops: dict[str, Callable[[], float]]
+) -> None:
+    """One more update of each raydirect row, untimed, counting the bytes each
+    worker received (over its parameters' bytes) and each trainer rank sent (over
+    the model's bytes)."""
+    for system in (RAYDIRECT, SHARDED, GATHERED):
+        row = family.get(system)
+        if row is None or row.error is not None or system not in ops:
+            continue
+        engine = fleet.engines[point if system == RAYDIRECT else system]
+        senders = fleet.ranks if point == FSDP else [fleet.trainer]
+        try:
+            workers = ray.get(engine.rpc.remote(fleet.actors.received), timeout=SETUP_TIMEOUT_S)
+            sent = ray.get([x.bytes_sent.remote() for x in senders], timeout=SETUP_TIMEOUT_S)
+            ops[system]()
+            after = ray.get(engine.rpc.remote(fleet.actors.received), timeout=SETUP_TIMEOUT_S)
+            sent_after = ray.get([x.bytes_sent.remote() for x in senders], timeout=SETUP_TIMEOUT_S)
+        except Exception as exc:
+            row.error = f"counting bytes: {describe_error(exc)}"
+            continue
+        # vLLM's own parameters cannot be counted: on CPU it repacks every linear
+        # layer's weight for oneDNN and leaves the parameter empty.
+        share = fleet.model.worker_bytes(2 if point == TP2 else 1)
+        row.measured[WORKER_BYTES] = max(b - a for a, b in zip(workers, after, strict=True)) / share
+        for rank, (a, b) in enumerate(zip(sent, sent_after, strict=True)):
+            row.measured[f"{RANK_BYTES}{rank}"] = (b - a) / fleet.model.nbytes
+
+
+def vllm_targets(rows: Sequence[Row]) -> str:
+    """The issue's targets at each tensor-parallel point (ratios of median times)."""
+    ms = {
+        (r.system, r.param): statistics.median(r.times_s)
+        for r in rows
+        if r.times_s and r.error is None
+    }
+    lines: list[TargetLine] = []
+    for point in (TP1, TP2):
+        for mine, base, bound in TARGETS:
+            a, b = ms.get((mine, point)), ms.get((base, point))
+            got = a / b if a is not None and b else None
+            lines.append(
+                TargetLine(f"raydirect / {base.split(',')[0]}", bound, True, point, got, None)
+            )
+    out = render_targets(lines)
+    counted = [r for r in rows if r.measured]
+    if counted:
+        out += "\n\nBytes moved in one update (rd.local_stats(), untimed):\n\n"
+        out += "| point | system | measured |\n|---|---|---|\n"
+        out += "\n".join(
+            f"| {r.param} | {r.system} | "
+            + ", ".join(f"{k} {v:.2f}" for k, v in r.measured.items())
+            + " |"
+            for r in counted
+        )
+    return out

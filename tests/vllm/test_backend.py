@@ -1,0 +1,181 @@
+"""The backend "raydirect" against a real vLLM engine: updates land (the engine's
+prompt log-probs equal Hugging Face's on the trainer's weights), repeatedly, with
+tensor parallelism each worker reads only its slice, one client drives two
+engines, and every refusal names what went wrong and leaves the engine serving."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+from vllm.distributed.weight_transfer.base import ModuleSource, ParamMeta, WeightSource
+from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from vllm_harness import (
+    LOGPROB_TOLERANCE,
+    hf_prompt_logprobs,
+    max_difference,
+    prompt,
+    random_llama,
+    start_engine,
+)
+
+import raydirect as rd
+from raydirect.vllm import RaydirectTrainerInitInfo
+
+IDS = prompt(24, 3)
+
+
+class DictSource(WeightSource):
+    """A trainer's tensors as a dict: what the refusal cases bend."""
+
+    def __init__(self, state: dict[str, torch.Tensor]) -> None:
+        self.state = state
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.state.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.state.items()
+
+
+def _trainer(engines: list[Any], source: WeightSource) -> Any:
+    return WeightTransferTrainerFactory.trainer_init(
+        RaydirectTrainerInitInfo(rank=0, timeout=120),
+        client=RayVLLMWeightSyncClient(engines),
+        source=source,
+    )
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _serves(engine: Any, state: dict[str, torch.Tensor]) -> float:
+    got = ray.get(engine.prompt_logprobs.remote(IDS), timeout=120)
+    return max_difference(got, hf_prompt_logprobs(state, IDS))
+
+
+def _last_updates(engine: Any) -> list[dict[str, Any]]:
+    """Each worker's record of its last update, and its own parameters' bytes as
+    they load (on CPU a processed weight is repacked: vLLM's reload metadata holds
+    its checkpoint-format shape)."""
+
+    def read(worker: Any) -> dict[str, Any]:
+        from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+        own = sum(
+            t.numel() * t.element_size()
+            for m in worker.model_runner.model.modules()
+            for t in get_layerwise_info(m).restore_metadata[0].values()
+        )
+        return {**worker.weight_transfer_engine.last_update, "own": own}
+
+    return ray.get(engine.collective_rpc.remote(read), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tp2_engine(ray_session: None, tiny_llama: Any) -> Iterator[Any]:
+    actor = start_engine(
+        tiny_llama[0], tensor_parallel_size=2, weight_transfer_config={"backend": "raydirect"}
+    )
+    yield actor
+    ray.kill(actor)
+
+
+def test_repeated_updates_match_hugging_face(engine: Any) -> None:
+    model = random_llama(seed=11)
+    trainer = _trainer([engine], ModuleSource(model))
+    for step in range(3):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        trainer.send_weights()
+        assert _serves(engine, _state(model)) < LOGPROB_TOLERANCE, step
+        assert ray.get(engine.get_weight_version.remote()) == str(step + 1)
+    [record] = _last_updates(engine)
+    assert record["version"] == 3
+    trainer.shutdown()
+
+
+def test_two_engines_one_client_and_tensor_parallel_slices(engine: Any, tp2_engine: Any) -> None:
+    """One client fans out to a plain engine and a tensor-parallel-2 one; each TP
+    worker receives its own slice, not the whole model."""
+    model = random_llama(seed=12)
+    trainer = _trainer([engine, tp2_engine], ModuleSource(model))
+    for _ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+        trainer.send_weights()
+        for e in (engine, tp2_engine):
+            assert _serves(e, _state(model)) < LOGPROB_TOLERANCE
+    whole = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    workers = _last_updates(tp2_engine)
+    assert len(workers) == 2
+    for w in workers:
+        assert w["bytes"] <= 1.1 * w["own"], w
+        assert w["bytes"] < 0.75 * whole, (w, whole)
+    trainer.shutdown()
+
+
+def _bent(model: torch.nn.Module, how: str) -> dict[str, torch.Tensor]:
+    state = _state(model)
+    name = "model.layers.1.mlp.down_proj.weight"
+    if how == "extra":
+        state["model.layers.1.mlp.extra_proj.weight"] = torch.zeros(4, 4)
+    elif how == "missing":
+        del state[name]
+    elif how == "shape":
+        state[name] = torch.zeros(state[name].shape[0], state[name].shape[1] + 8)
+    elif how == "dtype":
+        state[name] = state[name].double()
+    return state
+
+
+@pytest.mark.parametrize(
+    ("how", "said"),
+    [
+        ("extra", "extra_proj"),
+        ("missing", "filled by no published tensor"),
+        ("shape", "down_proj"),
+        ("dtype", "float64"),
+    ],
+)
+def test_a_refused_update_names_it_and_the_engine_keeps_serving(
+    engine: Any, how: str, said: str
+) -> None:
+    good = random_llama(seed=13)
+    trainer = _trainer([engine], ModuleSource(good))
+    trainer.send_weights()
+    before = _state(good)
+    bad = _trainer([engine], DictSource(_bent(good, how)))
+    with pytest.raises(rd.WeightSyncError, match=said) as info:
+        bad.send_weights()
+    assert "keep serving" in str(info.value)
+    assert _serves(engine, before) < LOGPROB_TOLERANCE  # untouched
+    with torch.no_grad():
+        for p in good.parameters():
+            p.mul_(0.99)
+    trainer = _trainer([engine], ModuleSource(good))
+    trainer.send_weights()  # the next update succeeds
+    assert _serves(engine, _state(good)) < LOGPROB_TOLERANCE
+    trainer.shutdown()
+
+
+def test_a_version_that_is_gone_is_named(engine: Any) -> None:
+    model = random_llama(seed=14)
+    trainer = _trainer([engine], ModuleSource(model))
+    trainer.send_weights()
+    trainer.send_weights()
+    client = RayVLLMWeightSyncClient([engine])
+    stale = {"version": 1, "ranks": 1, "names": [], "dtype_names": [], "shapes": []}
+    client.start_weight_update()
+    with pytest.raises(ray.exceptions.RayTaskError, match="version 1 is gone"):
+        client.update_weights(stale)
+    assert _serves(engine, _state(model)) < LOGPROB_TOLERANCE
+    trainer.send_weights()
+    trainer.shutdown()
