@@ -57,7 +57,10 @@ def test_each_rank_sends_only_its_shards(engine: Any, ranks: list[Any]) -> None:
         full = ray.get([r.full_state.remote() for r in ranks])[0]
         assert _serves(engine, full) < LOGPROB_TOLERANCE
         _settled(engine)
-        sent = [a - b for a, b in zip(ray.get([r.bytes_sent.remote() for r in ranks]), before)]
+        sent = [
+            a - b
+            for a, b in zip(ray.get([r.bytes_sent.remote() for r in ranks]), before, strict=True)
+        ]
         shards = ray.get([r.shard_bytes.remote() for r in ranks])
         whole = sum(t.numel() * t.element_size() for t in full.values())
         assert sent == shards, (sent, shards)  # each byte once, from its holder
@@ -72,7 +75,9 @@ def test_module_source_gathers_and_rank0_sends(engine: Any, ranks: list[Any]) ->
     full = ray.get([r.full_state.remote() for r in ranks])[0]
     assert _serves(engine, full) < LOGPROB_TOLERANCE
     _settled(engine)
-    sent = [a - b for a, b in zip(ray.get([r.bytes_sent.remote() for r in ranks]), before)]
+    sent = [
+        a - b for a, b in zip(ray.get([r.bytes_sent.remote() for r in ranks]), before, strict=True)
+    ]
     assert sent[1] == 0 and sent[0] == sum(t.numel() * t.element_size() for t in full.values())
 
 
