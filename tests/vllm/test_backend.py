@@ -179,3 +179,38 @@ def test_a_version_that_is_gone_is_named(engine: Any) -> None:
     assert _serves(engine, _state(model)) < LOGPROB_TOLERANCE
     trainer.send_weights()
     trainer.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine2(ray_session: None, tiny_llama: Any) -> Iterator[Any]:
+    actor = start_engine(tiny_llama[0], weight_transfer_config={"backend": "raydirect"})
+    yield actor
+    ray.kill(actor)
+
+
+def test_two_engines_on_a_node_take_one_copy_from_the_trainer(engine: Any, engine2: Any) -> None:
+    """The first worker on a node to receive a version relays it to the worker of
+    the other engine that reads the same: the trainer sends the model once."""
+
+    def settle(worker: Any) -> bool:  # in the worker: its reads counted at the trainer
+        import raydirect.testing
+
+        return raydirect.testing.wait_read_counts(30)
+
+    model = random_llama(seed=15)
+    whole = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    trainer = _trainer([engine, engine2], ModuleSource(model))
+    for _ in range(2):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.01)
+        before = sum(rd.local_stats().bytes_sent.values())
+        trainer.send_weights()
+        for e in (engine, engine2):
+            assert _serves(e, _state(model)) < LOGPROB_TOLERANCE
+            assert all(ray.get(e.collective_rpc.remote(settle), timeout=60))
+        sent = sum(rd.local_stats().bytes_sent.values()) - before
+        assert whole <= sent <= 1.05 * whole, (sent, whole)
+        relayed = [r["relayed_from"] for e in (engine, engine2) for r in _last_updates(e)]
+        assert sorted(relayed) == [0, 1], relayed
+    trainer.shutdown()

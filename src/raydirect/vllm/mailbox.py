@@ -35,6 +35,9 @@ class Mailbox:
         self._outcomes: dict[int, str] = {}  # version -> "" (applied) or the error
         self._tokens: dict[int, list[ray.ObjectRef]] = {}
         self._last = 0  # the newest version put or ended
+        # (version, key) -> the relay's handle; None while its leader receives,
+        # "" if the leader failed (its followers then read from the ranks)
+        self._relays: dict[tuple[int, str], Any] = {}
 
     def ranks(self) -> int:
         return self._ranks
@@ -93,6 +96,31 @@ class Mailbox:
                     f"{timeout:.0f} s (RaydirectTrainerInitInfo.timeout)"
                 )
             await asyncio.sleep(_POLL)
+
+    def lead(self, version: int, key: str) -> bool:
+        """True for the first worker of ``key`` (its node and what it reads) to ask
+        about ``version``: it reads from the ranks and relays to the others."""
+        for old in [k for k in self._relays if k[0] < version]:
+            del self._relays[old]
+        if (version, key) in self._relays:
+            return False
+        self._relays[(version, key)] = None
+        return True
+
+    def relayed(self, version: int, key: str, handle: list[Any]) -> None:
+        """The leader's relay of ``version`` (``[handle]``, or ``[""]`` if it failed)."""
+        if (version, key) in self._relays:
+            self._relays[(version, key)] = handle[0]
+
+    async def relay(self, version: int, key: str, timeout: float) -> Any:
+        """The relay's handle once its leader has received ``version``, or None (read
+        from the ranks) if the leader failed or did not finish in ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while self._relays.get((version, key)) is None and time.monotonic() < deadline:
+            if (version, key) not in self._relays:
+                return None
+            await asyncio.sleep(_POLL / 5)
+        return self._relays.get((version, key)) or None
 
     def done(self, version: int, error: str) -> None:
         """Rank 0 says how ``version`` ended: ``""`` applied, else the error."""

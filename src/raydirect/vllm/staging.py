@@ -45,6 +45,7 @@ class Receiver:
         self.whole: dict[str, torch.Tensor] = {}  # what the loaders get
         self._staged: dict[str, torch.Tensor] = {}  # what the subscriber fills
         self._slices: dict[str, tuple[int, int, int]] = {}
+        self._shapes = {name: shape for name, _dtype, shape in published}
         for name, dtype, shape in published:
             if name not in plan.reads:
                 continue  # no loader of this worker reads it
@@ -62,6 +63,8 @@ class Receiver:
             self._slices[name] = cut
         self.bytes = sum(t.numel() * t.element_size() for t in self._staged.values())
         self._sub = rd.WeightSubscriber(self._staged, shard=self._shard, strict=False)
+        self._relay: rd.WeightPublisher | None = None
+        self.key = repr(sorted((n, self._slices.get(n)) for n in self._staged))
 
     def _shard(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         return self._slices.get(name)
@@ -71,6 +74,18 @@ class Receiver:
         rank) hold; raises ``rd.WeightSyncError`` if any fails to arrive."""
         self._sub.version = None  # the engine, not the subscriber, orders versions
         self._sub.load(handles, timeout=timeout)
+
+    def relay(self, version: int) -> rd.WeightsHandle:
+        """Publishes what was received, in place, for workers of other engines on
+        this node that read the same: the trainer sends it once per node, not once
+        per engine. Valid until the next ``receive``."""
+        if self._relay is None:
+            self._relay = rd.WeightPublisher(self._staged, depth=0, placement=self._placement)
+        return self._relay.publish(version)
+
+    def _placement(self, name: str, local: tuple[int, ...]) -> Any:
+        cut = self._slices.get(name)
+        return None if cut is None else (self._shapes[name], cut[0], cut[1])
 
     def weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, whole-shaped tensor) for ``model.load_weights``."""

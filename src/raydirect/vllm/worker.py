@@ -97,7 +97,7 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         self._mailbox: Any = None
         self._timeout = 300.0
         self._receivers: dict[tuple[Any, ...], Receiver] = {}
-        self.last_update: dict[str, float] = {}  # seconds per phase, bytes received
+        self.last_update: dict[str, Any] = {}  # seconds per phase, bytes received
 
     def init_transfer_engine(self, init_info: RaydirectInitInfo) -> None:
         _join_ray(init_info)
@@ -133,7 +133,7 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         receiver = self._receiver_for(update_info)
         planned = time.perf_counter()
         try:
-            receiver.receive(handles, self._timeout)
+            self._receive(update_info.version, receiver, handles)
         except rd.WeightSyncError as exc:
             raise rd.WeightSyncError(
                 f"raydirect: version {update_info.version} did not arrive ({exc}); the model "
@@ -142,6 +142,7 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         received = time.perf_counter()
         self._load(receiver)
         self.last_update = {
+            **self.last_update,
             "version": update_info.version,
             "plan_s": planned - start,
             "receive_s": received - planned,
@@ -149,6 +150,31 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
             "bytes": receiver.bytes,
         }
         log.info("raydirect: applied version %s %s", update_info.version, self.last_update)
+
+    def _receive(self, version: int, receiver: Receiver, handles: list[Any]) -> None:
+        """From the ranks, or from the worker of another engine on this node that
+        reads the same and received it first (the relay): across nodes the
+        trainer then sends each byte once per node, not once per engine."""
+        key = f"{ray.get_runtime_context().get_node_id()} {receiver.key}"
+        if ray.get(self._mailbox.lead.remote(version, key)):
+            try:
+                receiver.receive(handles, self._timeout)
+            except BaseException:
+                self._mailbox.relayed.remote(version, key, [""])
+                raise
+            self._mailbox.relayed.remote(version, key, [receiver.relay(version)])
+            self.last_update["relayed_from"] = 0
+            return
+        relay = ray.get(self._mailbox.relay.remote(version, key, self._timeout))
+        if relay is not None:
+            try:
+                receiver.receive([relay], self._timeout)
+                self.last_update["relayed_from"] = 1
+                return
+            except rd.WeightSyncError as exc:  # the relay's worker went: the ranks
+                log.warning("raydirect: relay of version %s failed (%s)", version, exc)
+        receiver.receive(handles, self._timeout)
+        self.last_update["relayed_from"] = 0
 
     def _handles(self, version: int) -> list[Any]:
         try:
