@@ -23,7 +23,7 @@ import raydirect.testing
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 API_PAGE = DOCS / "api.md"
-TESTING_NAMES = ("TransportConformance", "make_value", "check", "mismatch")
+TESTING_NAMES = ("TransportConformance", "make_value", "check", "mismatch", "wait_read_counts")
 
 
 def _nav_pages(entries: Any) -> list[str]:

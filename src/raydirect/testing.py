@@ -31,7 +31,7 @@ import ray
 import torch
 
 import raydirect as rd
-from raydirect._notices import notices
+from raydirect import _notices
 
 CASES = ("dtypes", "views", "aliasing", "nested", "large")
 _FREE_TIMEOUT_S = 30.0
@@ -45,7 +45,7 @@ def wait_read_counts(timeout: float | None = 10.0) -> bool:
     made it returns, by a thread of its own: its count lands 2-20 ms later on an
     idle machine, seconds later under a flood of requests to the producer.
     Returns False if some were still uncounted at ``timeout`` seconds."""
-    return notices.settle(timeout)
+    return _notices.notices.settle(timeout)
 
 
 def make_value(case: str, data_type: type = torch.Tensor) -> Any:

@@ -17,6 +17,11 @@ from typing import Any
 import ray
 
 _POLL = 0.05  # how often a wait looks at the alive tokens
+_CHECK = 2.0  # how long one look waits for a token not yet here
+
+
+async def _fetched(ref: ray.ObjectRef) -> Any:
+    return await ref
 
 
 @ray.remote(num_cpus=0, max_concurrency=64)  # type: ignore[call-overload]
@@ -39,14 +44,16 @@ class Mailbox:
         it a ref instead of resolving it)."""
         self._tokens[rank] = token
 
-    def dead_ranks(self) -> list[int]:
-        """The ranks whose alive token Ray has lost: their process died."""
+    async def dead_ranks(self) -> list[int]:
+        """The ranks whose alive token Ray has lost: their process died. (Awaiting
+        a token whose owner died raises within moments; a live one's is local
+        after its first fetch.)"""
         dead = []
         for rank, (token,) in sorted(self._tokens.items()):
             try:
-                ray.get(token, timeout=0)
-            except ray.exceptions.GetTimeoutError:
-                continue  # alive, its object not yet local
+                await asyncio.wait_for(_fetched(token), _CHECK)
+            except asyncio.TimeoutError:
+                continue  # not yet fetched from a live owner
             except ray.exceptions.RayError:
                 dead.append(rank)
         return dead
@@ -75,7 +82,7 @@ class Mailbox:
                     f"version {version} is gone: the trainer has published a newer one"
                 )
             missing = [r for r in range(self._ranks) if r not in got]
-            dead = [r for r in self.dead_ranks() if r in missing]
+            dead = [r for r in await self.dead_ranks() if r in missing]
             if dead:
                 raise RuntimeError(
                     f"trainer rank(s) {dead} died before publishing version {version}"
@@ -100,7 +107,7 @@ class Mailbox:
         tensors until the workers have read them)."""
         deadline = time.monotonic() + timeout
         while version not in self._outcomes:
-            if 0 in self.dead_ranks():
+            if 0 in await self.dead_ranks():
                 return f"trainer rank 0, which drives the engines, died during version {version}"
             if time.monotonic() > deadline:
                 return (

@@ -1,0 +1,105 @@
+"""A 2-rank FSDP2 trainer on gloo updating a real engine: with
+``ShardedModuleSource`` each rank sends only its own shards (no gather), with
+vLLM's ``ModuleSource`` rank 0 sends the gathered model, and a rank that dies in
+the middle of an update is named to the caller while the engine keeps serving."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import fsdp_ranks
+import pytest
+import ray
+import torch
+from fsdp_ranks import start_ranks
+from ray import cloudpickle
+from vllm.distributed.weight_transfer.base import ModuleSource
+from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from vllm_harness import LOGPROB_TOLERANCE, hf_prompt_logprobs, max_difference, prompt
+
+from raydirect.vllm import RaydirectTrainerInitInfo
+
+cloudpickle.register_pickle_by_value(fsdp_ranks)
+IDS = prompt(24, 4)
+
+
+def _serves(engine: Any, state: dict[str, torch.Tensor]) -> float:
+    got = ray.get(engine.prompt_logprobs.remote(IDS), timeout=120)
+    return max_difference(got, hf_prompt_logprobs(state, IDS))
+
+
+def _settled(engine: Any) -> None:
+    """The engine's workers' reads counted at the ranks (raydirect.testing)."""
+
+    def settle(worker: Any) -> bool:
+        import raydirect.testing
+
+        return raydirect.testing.wait_read_counts(30)
+
+    assert all(ray.get(engine.collective_rpc.remote(settle), timeout=60))
+
+
+@pytest.fixture(scope="module")
+def ranks(ray_session: None) -> Any:
+    actors = start_ranks()
+    yield actors
+    for a in actors:
+        ray.kill(a)
+
+
+def test_each_rank_sends_only_its_shards(engine: Any, ranks: list[Any]) -> None:
+    ray.get([r.trainer_init.remote([engine], sharded=True) for r in ranks], timeout=120)
+    for _ in range(2):
+        ray.get([r.step.remote() for r in ranks], timeout=60)
+        before = ray.get([r.bytes_sent.remote() for r in ranks])
+        assert ray.get([r.send_weights.remote() for r in ranks], timeout=300) == ["", ""]
+        full = ray.get([r.full_state.remote() for r in ranks])[0]
+        assert _serves(engine, full) < LOGPROB_TOLERANCE
+        _settled(engine)
+        sent = [
+            a - b
+            for a, b in zip(ray.get([r.bytes_sent.remote() for r in ranks]), before, strict=True)
+        ]
+        shards = ray.get([r.shard_bytes.remote() for r in ranks])
+        whole = sum(t.numel() * t.element_size() for t in full.values())
+        assert sent == shards, (sent, shards)  # each byte once, from its holder
+        assert max(sent) < 0.6 * whole
+
+
+def test_module_source_gathers_and_rank0_sends(engine: Any, ranks: list[Any]) -> None:
+    ray.get([r.trainer_init.remote([engine], sharded=False) for r in ranks], timeout=120)
+    ray.get([r.step.remote() for r in ranks], timeout=60)
+    before = ray.get([r.bytes_sent.remote() for r in ranks])
+    assert ray.get([r.send_weights.remote() for r in ranks], timeout=300) == ["", ""]
+    full = ray.get([r.full_state.remote() for r in ranks])[0]
+    assert _serves(engine, full) < LOGPROB_TOLERANCE
+    _settled(engine)
+    sent = [
+        a - b for a, b in zip(ray.get([r.bytes_sent.remote() for r in ranks]), before, strict=True)
+    ]
+    assert sent[1] == 0 and sent[0] == sum(t.numel() * t.element_size() for t in full.values())
+
+
+def test_a_rank_that_dies_mid_update_is_named(engine: Any, ranks: list[Any]) -> None:
+    ray.get([r.trainer_init.remote([engine], sharded=True, timeout=60) for r in ranks])
+    ray.get([r.step.remote() for r in ranks], timeout=60)
+    assert ray.get([r.send_weights.remote() for r in ranks], timeout=300) == ["", ""]
+    served = ray.get([r.full_state.remote() for r in ranks])[0]
+    ray.get([r.step.remote() for r in ranks], timeout=60)
+    pending = ranks[0].send_weights.remote()  # rank 0 starts the update...
+    ray.kill(ranks[1])  # ...and rank 1 dies before its part of it
+    error = ray.get(pending, timeout=120)
+    assert "WeightSyncError" in error and "rank(s) [1] died" in error, error
+    assert "keep serving" in error
+    assert _serves(engine, served) < LOGPROB_TOLERANCE
+    # The engine takes the next update, from another trainer.
+    model = __import__("vllm_harness").random_llama(seed=31)
+    trainer = WeightTransferTrainerFactory.trainer_init(
+        RaydirectTrainerInitInfo(rank=0, timeout=60),
+        client=RayVLLMWeightSyncClient([engine]),
+        source=ModuleSource(model),
+    )
+    trainer.send_weights()
+    assert _serves(engine, {k: v.detach() for k, v in model.state_dict().items()}) < 1e-5
+    trainer.shutdown()
