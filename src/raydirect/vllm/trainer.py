@@ -209,6 +209,9 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
         except ray.exceptions.RayError:
             dead = []
         said = str(exc).strip().splitlines()
+        body = getattr(getattr(exc, "response", None), "text", None)
+        if isinstance(body, str):  # HTTP: the server's answer says what went wrong
+            said += body.replace("\\n", "\n").splitlines()
         # A worker's error arrives wrapped by vLLM's RPC and Ray: its last line is ours.
         last = said[-1] if said else ""
         cause = next((line for line in reversed(said) if "raydirect" in line), last)
