@@ -6,6 +6,10 @@ them."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import ray
 import torch
 
@@ -93,3 +97,34 @@ def test_reads_back_to_back_are_reported_in_one_message(ray_session):
     assert (got[0] - before[0], got[1] - before[1]) == (100, 100 * NBYTES)
     assert server.admission.admitted - admitted <= 2  # one batch (two if the machine paused)
     store.free(payload.obj_id)
+
+
+_READ_AND_EXIT = """
+import sys, ray, raydirect as rd
+from raydirect import _notices
+_notices._QUIET_S = _notices._LINGER_S = 60.0  # the notice would wait well past the exit
+ray.init(address=sys.argv[1], namespace="notices", logging_level="error")
+p = ray.get_actor("notices-producer")
+assert rd.get(p.big.remote(1 << 20, 3), timeout=60).numel() == 1 << 20
+"""  # returns at once: its read's notice is still waiting when the process exits
+
+
+def test_an_exiting_reader_reports_its_reads_first(ray_session, tmp_path):
+    # A notice waits for reads to pause before it is sent; a process that exits
+    # right after its read waits (up to 0.5 s) until its notices are counted.
+    p = actors.Producer.options(name="notices-producer", namespace="notices").remote()
+    try:
+        before = ray.get(p.stats.remote()).objects_sent.get("cma", 0)
+        script = tmp_path / "read_and_exit.py"
+        script.write_text(_READ_AND_EXIT)
+        address = ray.get_runtime_context().gcs_address
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+        done = subprocess.run(
+            [sys.executable, str(script), address], capture_output=True, text=True,
+            timeout=120, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-2000:]
+        after = ray.get(p.stats.remote()).objects_sent.get("cma", 0)  # no polling
+        assert after - before == 1
+    finally:
+        ray.kill(p)

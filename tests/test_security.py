@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import secrets
 import socket
@@ -178,23 +179,24 @@ def test_refusals_are_logged_without_capabilities(producer):
     assert rd.get(ref, timeout=30, tensor_transport="tcp").tolist() == list(range(20_000))
 
 
-def test_capabilities_are_128_bit_from_secrets(monkeypatch, ray_session):
-    import raydirect._producer as producer_module
-    from raydirect._store import store
+def test_capabilities_are_128_bit_keyed_hashes_under_a_secret(ray_session):
+    """A capability is a keyed BLAKE2b of the object's id and size, under a 256-bit
+    key drawn from ``secrets`` once per process: nobody without the key can make
+    one, and the producer can check one long after its object was freed (a late
+    read notice) with nothing remembered."""
+    from raydirect import _store
 
-    drawn: list[bytes] = []
-    real = secrets.token_bytes
-
-    def spy(n: int) -> bytes:
-        value = real(n)
-        drawn.append(value)
-        return value
-
-    monkeypatch.setattr(producer_module.secrets, "token_bytes", spy)
     refs = [rd.put({"t": torch.ones(20_000)}) for _ in range(8)]  # 80 KB each: direct
-    capabilities = [o.capability for o in store._objects.values() if o.capability in drawn]
+    mine = [o for o in _store.store._objects.values() if o.nbytes == 80_000][-8:]
+    capabilities = [o.capability for o in mine]
     assert len(capabilities) == 8 and len(set(capabilities)) == 8
-    assert all(len(c) >= 16 for c in capabilities)  # 128 bits or more
+    assert all(len(c) == 16 for c in capabilities)  # 128 bits
+    assert isinstance(_store._KEY, bytes) and len(_store._KEY) == 32
+    for o in mine:
+        assert o.capability == _store.capability_of(o.obj_id, o.nbytes)
+        unkeyed = hashlib.blake2b(o.obj_id + o.nbytes.to_bytes(8, "little"), digest_size=16)
+        assert o.capability != unkeyed.digest()
+        assert o.capability != _store.capability_of(o.obj_id, o.nbytes + 1)  # vouches for size
     del refs
 
 

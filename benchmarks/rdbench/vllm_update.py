@@ -153,8 +153,9 @@ def _free_port() -> int:
 
 
 class _Fleet:
-    """The engines and trainers of the workload, started at once (each engine takes
-    18-40 s alone), killed by ``close``."""
+    """The engines and trainers of one point at a time: on a machine of 24 GiB
+    shared with others, four engines at once ran it out of memory (each is three
+    processes importing torch and vLLM, beside its model and 1 GiB of KV cache)."""
 
     def __init__(self, actors: Any, model: _Model, backend: bool) -> None:
         self.actors, self.model, self.backend = actors, model, backend
@@ -162,36 +163,51 @@ class _Fleet:
         self.trainer: Any = None
         self.ranks: list[Any] = []
 
-    def start(self) -> None:
+    def start(self, point: str) -> None:
+        """Start ``point``'s engines (and its trainer, or ranks) at once, and connect
+        them (each engine takes 18-40 s alone)."""
         path, a = self.model.path, self.actors
-        self.engines[TP1] = a.Engine.remote(path, self.backend)
-        self.engines[TP2] = a.Engine.remote(path, self.backend, tensor_parallel_size=2)
-        self.trainer = a.Trainer.remote(path)
-        if self.backend:
-            for system in (SHARDED, GATHERED):
-                self.engines[system] = a.Engine.remote(path, True)
+        if point == FSDP:
+            self.engines = {s: a.Engine.remote(path, True) for s in (SHARDED, GATHERED)}
             address = f"tcp://127.0.0.1:{_free_port()}"
             self.ranks = [a.FsdpRank.remote(path, r, 2, address) for r in range(2)]
-        every = [*self.engines.values(), self.trainer, *self.ranks]
+        else:
+            tp = 2 if point == TP2 else 1
+            self.engines = {point: a.Engine.remote(path, self.backend, tensor_parallel_size=tp)}
+            self.trainer = self.trainer or a.Trainer.remote(path)
+        every = [*self.engines.values(), *([self.trainer] if self.trainer else []), *self.ranks]
         ray.get([x.__ray_ready__.remote() for x in every], timeout=ENGINE_START_TIMEOUT_S)
-        if self.backend:
+        if not self.backend:
+            return
+        if point == FSDP:
             calls = [
-                self.trainer.connect.remote([self.engines[TP1]], "rdbench-tp1"),
-                self.trainer.connect.remote([self.engines[TP2]], "rdbench-tp2"),
+                r.connect.remote([self.engines[system]], _name(system), system == SHARDED)
+                for system in (SHARDED, GATHERED)
+                for r in self.ranks
             ]
-            for system, sharded in ((SHARDED, True), (GATHERED, False)):
-                name = f"rdbench-fsdp-{'sharded' if sharded else 'gathered'}"
-                calls += [
-                    r.connect.remote([self.engines[system]], name, sharded) for r in self.ranks
-                ]
-            ray.get(calls, timeout=SETUP_TIMEOUT_S)
+        else:
+            calls = [self.trainer.connect.remote([self.engines[point]], _name(point))]
+        ray.get(calls, timeout=SETUP_TIMEOUT_S)
+
+    def stop(self, trainer: bool = False) -> None:
+        """Kill the point's engines (and ranks; the trainer too if asked)."""
+        for actor in [*self.engines.values(), *self.ranks]:
+            ray.kill(actor)
+        self.engines, self.ranks = {}, []
+        if trainer and self.trainer is not None:
+            ray.kill(self.trainer)
+            self.trainer = None
 
     def close(self) -> None:
-        for actor in [*self.engines.values(), self.trainer, *self.ranks]:
-            if actor is not None:
-                ray.kill(actor)
+        self.stop(trainer=True)
         if os.path.exists(SHM_FILE):
             os.unlink(SHM_FILE)
+
+
+def _name(system_or_point: str) -> str:
+    """The name of the trainer engine (and its mailbox actor) for a row's engine."""
+    names = {TP1: "tp1", TP2: "tp2", SHARDED: "fsdp-sharded", GATHERED: "fsdp-gathered"}
+    return f"rdbench-{names[system_or_point]}"
 
 
 def vllm_update(ctx: Context) -> list[Row]:
@@ -218,22 +234,23 @@ def vllm_update(ctx: Context) -> list[Row]:
         for row in rows:
             row.nbytes = model.nbytes
         fleet = _Fleet(vllm_actors, model, backend=no_backend is None)
+        repeats = ctx.config.repeats(model.nbytes)
         try:
-            log("w9: starting the engines and trainers")
-            fleet.start()
-        except Exception as exc:
-            fleet.close()
-            for row in rows:
-                row.error = row.error or f"setup failed: {describe_error(exc)}"
-            return rows
-        try:
-            repeats = ctx.config.repeats(model.nbytes)
             for point in (TP1, TP2, FSDP):
                 family = {r.system: r for r in rows if r.param == point and not r.skipped}
-                if family:
-                    ops = _operations(fleet, point, family)
-                    _rounds(family, ops, repeats)
-                    _count_bytes(fleet, point, family, ops)
+                if not family:
+                    continue
+                log(f"w9 {point}: starting its engine(s) and trainer")
+                fleet.stop(trainer=point == FSDP)
+                try:
+                    fleet.start(point)
+                except Exception as exc:
+                    for row in family.values():
+                        row.error = f"setup failed: {describe_error(exc)}"
+                    continue
+                ops = _operations(fleet, point, family)
+                _rounds(family, ops, repeats)
+                _count_bytes(fleet, point, family, ops)
         finally:
             fleet.close()
     return rows
@@ -267,16 +284,14 @@ def _operations(
 
     ops: dict[str, Callable[[], float]] = {}
     if point == FSDP:
-        for system, name in ((SHARDED, "sharded"), (GATHERED, "gathered")):
-            engine = fleet.engines[system]
+        for system in (SHARDED, GATHERED):
             # one model on the ranks, stepped by both systems: one count of its deltas
-            ops[system] = raydirect(engine, fleet.ranks, f"rdbench-fsdp-{name}", "fsdp")
+            ops[system] = raydirect(fleet.engines[system], fleet.ranks, _name(system), "fsdp")
         return ops
     engine = fleet.engines[point]
     trainer = fleet.trainer
     if RAYDIRECT in family:
-        name = "rdbench-tp1" if tp == 1 else "rdbench-tp2"
-        ops[RAYDIRECT] = raydirect(engine, [trainer], name, "trainer")
+        ops[RAYDIRECT] = raydirect(engine, [trainer], _name(point), "trainer")
 
     def naive() -> float:
         step([trainer], "trainer")
@@ -365,7 +380,7 @@ def vllm_targets(rows: Sequence[Row]) -> str:
             lines.append(
                 TargetLine(f"raydirect / {base.split(',')[0]}", bound, True, point, got, None)
             )
-    out = render_targets(lines)
+    out = render_targets(lines, "Targets (ratios of median update times in this run):")
     counted = [r for r in rows if r.measured]
     if counted:
         out += "\n\nBytes moved in one update (rd.local_stats(), untimed):\n\n"
