@@ -266,6 +266,15 @@ def channel(address: str) -> Iterator[Channel]:
             cache.popitem(last=False)[1].close()
 
 
+def close_cached() -> None:
+    """Close every channel this thread keeps: for a thread about to idle, whose
+    channels would otherwise hold their sockets open, to agents that may die
+    meanwhile, until it next talks."""
+    cache = _channels.channels
+    while cache:
+        cache.popitem()[1].close()
+
+
 def notify(address: str, header: dict[str, Any]) -> None:
     """Fire-and-forget message to an agent (no reply expected)."""
     with channel(address) as ch:

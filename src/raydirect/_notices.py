@@ -124,6 +124,8 @@ class Notices:
                 while not self._ready():
                     pause = self._pause()
                     self._asleep = pause is None
+                    if self._asleep:  # idle: hold no sockets to producers meanwhile
+                        _channel.close_cached()
                     self._cond.wait(pause)
                     self._asleep = False
                 now = time.monotonic()
