@@ -40,6 +40,19 @@ def _settled(engine: Any) -> None:
     assert all(ray.get(engine.collective_rpc.remote(settle), timeout=60))
 
 
+def _step_and_sync(engine: Any, ranks: list[Any]) -> tuple[dict[str, torch.Tensor], list[int]]:
+    """A step on every rank, then an update: the engine serves the trainer's whole
+    model after it; returns that model and the bytes each rank sent for it."""
+    ray.get([r.step.remote() for r in ranks], timeout=60)
+    before = ray.get([r.bytes_sent.remote() for r in ranks])
+    assert ray.get([r.send_weights.remote() for r in ranks], timeout=300) == ["", ""]
+    full = ray.get([r.full_state.remote() for r in ranks])[0]
+    assert _serves(engine, full) < LOGPROB_TOLERANCE
+    _settled(engine)
+    after = ray.get([r.bytes_sent.remote() for r in ranks])
+    return full, [a - b for a, b in zip(after, before, strict=True)]
+
+
 @pytest.fixture(scope="module")
 def ranks(ray_session: None) -> Any:
     actors = start_ranks()
@@ -51,16 +64,7 @@ def ranks(ray_session: None) -> Any:
 def test_each_rank_sends_only_its_shards(engine: Any, ranks: list[Any]) -> None:
     ray.get([r.trainer_init.remote([engine], sharded=True) for r in ranks], timeout=120)
     for _ in range(2):
-        ray.get([r.step.remote() for r in ranks], timeout=60)
-        before = ray.get([r.bytes_sent.remote() for r in ranks])
-        assert ray.get([r.send_weights.remote() for r in ranks], timeout=300) == ["", ""]
-        full = ray.get([r.full_state.remote() for r in ranks])[0]
-        assert _serves(engine, full) < LOGPROB_TOLERANCE
-        _settled(engine)
-        sent = [
-            a - b
-            for a, b in zip(ray.get([r.bytes_sent.remote() for r in ranks]), before, strict=True)
-        ]
+        full, sent = _step_and_sync(engine, ranks)
         shards = ray.get([r.shard_bytes.remote() for r in ranks])
         whole = sum(t.numel() * t.element_size() for t in full.values())
         assert sent == shards, (sent, shards)  # each byte once, from its holder
@@ -69,15 +73,7 @@ def test_each_rank_sends_only_its_shards(engine: Any, ranks: list[Any]) -> None:
 
 def test_module_source_gathers_and_rank0_sends(engine: Any, ranks: list[Any]) -> None:
     ray.get([r.trainer_init.remote([engine], sharded=False) for r in ranks], timeout=120)
-    ray.get([r.step.remote() for r in ranks], timeout=60)
-    before = ray.get([r.bytes_sent.remote() for r in ranks])
-    assert ray.get([r.send_weights.remote() for r in ranks], timeout=300) == ["", ""]
-    full = ray.get([r.full_state.remote() for r in ranks])[0]
-    assert _serves(engine, full) < LOGPROB_TOLERANCE
-    _settled(engine)
-    sent = [
-        a - b for a, b in zip(ray.get([r.bytes_sent.remote() for r in ranks]), before, strict=True)
-    ]
+    full, sent = _step_and_sync(engine, ranks)
     assert sent[1] == 0 and sent[0] == sum(t.numel() * t.element_size() for t in full.values())
 
 

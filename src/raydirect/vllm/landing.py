@@ -45,7 +45,7 @@ class Survey:
     problems: list[str] = field(default_factory=list)
 
 
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, step = [], 1
     for n in reversed(shape):
         out.append(step)
@@ -56,7 +56,7 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 def box_of(view: torch.Tensor, shape: tuple[int, ...]) -> Box | None:
     """The box of a contiguous tensor of ``shape`` that ``view`` is, or None when
     it is not one (a transpose, a reshape)."""
-    strides = _strides(shape)
+    strides = contiguous_strides(shape)
     if view.dim() != len(shape):
         return None
     if any(s != b for s, b, n in zip(view.stride(), strides, view.shape, strict=True) if n > 1):

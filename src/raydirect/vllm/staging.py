@@ -12,18 +12,13 @@ read (nor, being untouched, ever backed by memory).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 import raydirect as rd
-from raydirect.vllm.landing import Box, Survey
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+from raydirect.vllm.landing import Box, Survey, contiguous_strides
 
 
 def _slice_of(full: tuple[int, ...], box: Box) -> tuple[int, int, int] | None:
@@ -55,7 +50,7 @@ class Receiver:
                 continue
             dim, start, stop = cut
             local = (*shape[:dim], stop - start, *shape[dim + 1 :])
-            strides = _strides(local)
+            strides = contiguous_strides(local)
             span = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
             memory = torch.empty(span, dtype=dtype)
             self.whole[name] = memory.as_strided(shape, strides, 0)
