@@ -98,6 +98,9 @@ def test_repeated_updates_match_hugging_face(engine: Any) -> None:
         assert ray.get(engine.get_weight_version.remote()) == str(step + 1)
     [record] = _last_updates(engine)
     assert record["version"] == 3
+    # a Llama's loaders only slice and concatenate: every byte lands straight in
+    # the tensors vLLM processes, none through a loader's copy
+    assert record["landed_bytes"] == record["bytes"] == record["own"], record
     trainer.shutdown()
 
 
@@ -118,6 +121,7 @@ def test_two_engines_one_client_and_tensor_parallel_slices(engine: Any, tp2_engi
     assert len(workers) == 2
     for w in workers:
         assert w["bytes"] <= 1.1 * w["own"], w
+        assert w["landed_bytes"] == w["bytes"], w  # tensor-parallel slices land too
         assert w["bytes"] < 0.75 * whole, (w, whole)
     trainer.shutdown()
 

@@ -12,11 +12,17 @@ checkpoint tensor went into which parameter) and each fill. From that:
   its slice: a worker pulls only that);
 * what the loaders refuse, before a byte moves: a name the model does not know, a
   shape its loader rejects, a dtype that differs from the parameter's, a
-  parameter that no published tensor fills.
+  parameter that no published tensor fills;
+* the layers whose loaders are pure slices and concatenations of published
+  tensors (tensor-parallel slices, fused qkv and gate_up, embeddings, norms), with
+  where each published box lands in each parameter: those layers take the bytes
+  straight into the tensors vLLM then processes, with no loader copy
+  (``staging.Receiver``, ``worker``).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -24,25 +30,52 @@ from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
+from vllm.model_executor.layers.attention import is_deferred_attention_layer
 from vllm.model_executor.model_loader.reload.layerwise import (
     _get_original_loader,
     get_layerwise_info,
 )
-from vllm.model_executor.model_loader.reload.meta import restore_layer_on_meta
+from vllm.model_executor.model_loader.reload.meta import (
+    SKIP_LOAD_TENSORS,
+    SKIP_MODULES,
+    restore_layer_on_meta,
+)
 from vllm.model_executor.model_loader.reload.utils import get_layer_tensors
 
 Box = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape)
 _FILLS = {torch.Tensor.fill_, torch.Tensor.zero_}
+# Quantization methods whose processing reads a layer's loaded tensors and
+# replaces them (on CPU: repacks a linear weight), never writing them in place:
+# their inputs can be kept and refilled by the next update. Any other method, a
+# layer whose loader computes (a transpose, a scale, a padding fill) and vLLM's
+# deferred attention layers go through ``load_weights``.
+_PLAIN_METHODS = {"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"}
+
+
+@dataclass(frozen=True)
+class Landing:
+    """Published tensor ``name``'s box ``src`` lands in box ``dst`` of the
+    tensor ``param`` of layer ``layer`` (its qualified name), as is."""
+
+    layer: str
+    param: str
+    name: str
+    src: Box
+    dst: Box
 
 
 @dataclass
 class Survey:
     """``reads[name]``: the box of published tensor ``name`` this worker needs
     (its whole shape when unsliced); names absent from it are not used here.
-    ``problems``: what the loaders refused, one line each."""
+    ``problems``: what the loaders refused, one line each. ``lands``: the
+    published tensors landed straight into layers, by name; ``layers``: those
+    layers' tensors to fill, (shape, dtype) by layer and tensor name."""
 
     reads: dict[str, Box] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
+    lands: dict[str, Landing] = field(default_factory=dict)
+    layers: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = field(default_factory=dict)
 
 
 def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -84,6 +117,10 @@ class _Recorder(TorchFunctionMode):
         self.reads: dict[str, Box | None] = {}
         self.filled: dict[int, int] = {}  # param storage id -> elements written
         self.problems: list[str] = []
+        # param storage id -> (published name, its box, the param's box) per copy
+        self.copies: dict[int, list[tuple[str, Box | None, Box | None]]] = defaultdict(list)
+        self.computed: set[int] = set()  # params written other than by a plain copy
+        self.derived = False  # the current load copied in a value it computed
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -91,6 +128,8 @@ class _Recorder(TorchFunctionMode):
             self._copied(args[0], args[1])
         elif func in _FILLS:
             self._wrote(args[0])
+            if args[0].numel() and _storage(args[0]) in self.params:
+                self.computed.add(_storage(args[0]))
         return out
 
     def _copied(self, dst: torch.Tensor, src: Any) -> None:
@@ -99,8 +138,10 @@ class _Recorder(TorchFunctionMode):
             return
         self._wrote(dst)
         probe = self.probes.get(_storage(src))
-        if probe is None:
-            return  # a value the loader made itself
+        if probe is None:  # a value the loader made, from what it was given
+            self.computed.add(key)
+            self.derived = True
+            return
         name, shape = probe
         if src.dtype != dst.dtype:
             self.problems.append(
@@ -108,6 +149,9 @@ class _Recorder(TorchFunctionMode):
                 f"parameter {self.params[key][0]!r} is {str(dst.dtype).removeprefix('torch.')}"
             )
         box = box_of(src, shape)
+        stand = self.params[key][1]
+        to = box_of(dst, tuple(stand.shape)) if stand.is_contiguous() else None
+        self.copies[key].append((name, box, to if dst.is_contiguous() else None))
         seen = self.reads.get(name, box)
         self.reads[name] = None if box is None or seen is None else _union(seen, box)
 
@@ -175,18 +219,93 @@ def survey(
                     model.load_weights([(name, probe)])  # type: ignore[operator]
             except Exception as exc:  # the loader's refusal, whatever its kind
                 out.problems.append(f"{name!r}: the engine's loader refused it ({exc!r})")
+            if recorder.derived:  # which part it computed from is unknown: all of it
+                recorder.reads[name] = None
+                recorder.derived = False
         out.problems += recorder.problems
         for key, (pname, stand) in params.items():
             if recorder.filled.get(key, 0) < stand.numel():
                 out.problems.append(
                     f"the engine's parameter {pname!r} is filled by no published tensor"
                 )
+        if not out.problems:
+            _plan_landings(model, recorder, {n: shape for n, _d, shape in published}, out)
     for name, _dtype, shape in published:
         if name in recorder.reads:
             box = recorder.reads[name]
             out.reads[name] = ((0,) * len(shape), shape) if box is None else box
             out.problems += _unread(name, shape, out.reads[name], tp)
     return out
+
+
+def _plan_landings(
+    model: torch.nn.Module,
+    recorder: _Recorder,
+    shapes: dict[str, tuple[int, ...]],
+    out: Survey,
+) -> None:
+    """Fills ``out.lands`` and ``out.layers`` with the layers all of whose
+    tensors are tiled, exactly, by plain copies of published boxes that land
+    nowhere else; run with the stand-ins in place."""
+    uses: dict[str, int] = defaultdict(int)
+    for copies in recorder.copies.values():
+        for name, _src, _dst in copies:
+            uses[name] += 1
+    for lname, layer in model.named_modules():
+        tensors = {n: t for n, t in get_layer_tensors(layer).items() if n not in SKIP_LOAD_TENSORS}
+        method = getattr(layer, "quant_method", None)
+        if (
+            not tensors
+            # landed memory is host memory: on GPU the loaders copy to the device
+            or get_layerwise_info(layer).restore_device.type != "cpu"
+            or layer.__class__.__name__ in SKIP_MODULES
+            or is_deferred_attention_layer(layer)
+            or (method is not None and type(method).__name__ not in _PLAIN_METHODS)
+        ):
+            continue
+        lands = [_tiling(lname, n, t, recorder, uses, shapes) for n, t in tensors.items()]
+        if all(tiles is not None for tiles in lands):
+            out.layers[lname] = {n: (tuple(t.shape), t.dtype) for n, t in tensors.items()}
+            out.lands.update((land.name, land) for tiles in lands for land in tiles or ())
+
+
+def _tiling(
+    lname: str,
+    pname: str,
+    stand: torch.Tensor,
+    recorder: _Recorder,
+    uses: dict[str, int],
+    shapes: dict[str, tuple[int, ...]],
+) -> list[Landing] | None:
+    """The copies that fill ``stand`` exactly once each element, or None."""
+    key = _storage(stand) if stand.is_meta else None
+    if key is None or key in recorder.computed or key not in recorder.copies:
+        return None
+    tiles = []
+    for name, src, dst in recorder.copies[key]:
+        if src is None or dst is None or uses[name] != 1 or _cuts(src, shapes[name]) > 1:
+            return None
+        tiles.append(Landing(lname, pname, name, src, dst))
+    if sum(_numel(t.dst) for t in tiles) != stand.numel():
+        return None
+    if any(_overlap(a.dst, b.dst) for i, a in enumerate(tiles) for b in tiles[i + 1 :]):
+        return None
+    return tiles
+
+
+def _cuts(box: Box, shape: tuple[int, ...]) -> int:
+    return sum((s, n) != (0, f) for s, n, f in zip(*box, shape, strict=True))
+
+
+def _numel(box: Box) -> int:
+    out = 1
+    for n in box[1]:
+        out *= n
+    return out
+
+
+def _overlap(a: Box, b: Box) -> bool:
+    return all(x < y + n and y < x + m for x, m, y, n in zip(a[0], a[1], b[0], b[1], strict=True))
 
 
 def _unread(name: str, shape: tuple[int, ...], box: Box, tp: tuple[int, int]) -> list[str]:

@@ -8,6 +8,12 @@ checkpoint tensors and slice them themselves, so each is handed a whole-shaped
 view laid over the staging memory with the slice's strides: the loader's own
 slice of that view is exactly the bytes received, and the rest of it is never
 read (nor, being untouched, ever backed by memory).
+
+Layers the survey found to be pure slices and concatenations of published
+tensors skip the loaders: the receiver keeps one tensor per tensor of such a
+layer, in the layout the loaders would have filled, and receives each published
+box straight into its place there (``landed``); the worker then has vLLM
+process those tensors as its reload would have processed the loaders' output.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from typing import Any
 import torch
 
 import raydirect as rd
-from raydirect.vllm.landing import Box, Survey, contiguous_strides
+from raydirect.vllm.landing import Box, Landing, Survey, contiguous_strides
 
 
 def _slice_of(full: tuple[int, ...], box: Box) -> tuple[int, int, int] | None:
@@ -41,10 +47,20 @@ class Receiver:
         self._staged: dict[str, torch.Tensor] = {}  # what the subscriber fills
         self._slices: dict[str, tuple[int, int, int]] = {}
         self._shapes = {name: shape for name, _dtype, shape in published}
+        # layer -> tensor name -> what vLLM processes in place of the loaders' output
+        self.landed = {
+            layer: {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in tensors.items()}
+            for layer, tensors in plan.layers.items()
+        }
         for name, dtype, shape in published:
             if name not in plan.reads:
                 continue  # no loader of this worker reads it
             cut = _slice_of(shape, plan.reads[name])
+            if cut is not None:
+                self._slices[name] = cut
+            if name in plan.lands:
+                self._staged[name] = self._landing(plan.lands[name])
+                continue
             if cut is None:
                 self._staged[name] = self.whole[name] = torch.empty(shape, dtype=dtype)
                 continue
@@ -55,11 +71,19 @@ class Receiver:
             memory = torch.empty(span, dtype=dtype)
             self.whole[name] = memory.as_strided(shape, strides, 0)
             self._staged[name] = memory.as_strided(local, strides, start * strides[dim])
-            self._slices[name] = cut
         self.bytes = sum(t.numel() * t.element_size() for t in self._staged.values())
+        self.landed_bytes = sum(
+            t.numel() * t.element_size() for ts in self.landed.values() for t in ts.values()
+        )
         self._sub = rd.WeightSubscriber(self._staged, shard=self._shard, strict=False)
         self._relay: rd.WeightPublisher | None = None
         self.key = repr(sorted((n, self._slices.get(n)) for n in self._staged))
+
+    def _landing(self, land: Landing) -> torch.Tensor:
+        view = self.landed[land.layer][land.param]
+        for d, (start, n) in enumerate(zip(*land.dst, strict=True)):
+            view = view.narrow(d, start, n)
+        return view
 
     def _shard(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         return self._slices.get(name)

@@ -3,12 +3,14 @@
 ``update_weights({"version": v, ...})`` runs in every worker of the engine. It
 takes the trainer ranks' handles of ``v`` from their mailbox (a named Ray actor;
 the update info itself is plain JSON, so it passes vLLM's RPC and HTTP), receives
-every byte this worker needs into staging memory with ``rd.WeightSubscriber``,
+every byte this worker needs into memory of its own with ``rd.WeightSubscriber``,
 and only then loads them through vLLM's layerwise reload
 (``initialize_layerwise_reload`` / ``model.load_weights`` /
 ``finalize_layerwise_reload``), so fused and quantized layouts come out as vLLM
-makes them. An update that fails before the load leaves the model untouched: the
-engine serves the weights it had.
+makes them. Layers whose loaders only slice and concatenate (see ``landing``)
+received their bytes already laid out as the loaders would have written them:
+vLLM processes those tensors directly, with no loader copy. An update that fails
+before the load leaves the model untouched: the engine serves the weights it had.
 
 On CPU vLLM's workers are plain subprocesses of the engine, not Ray actors: the
 engine joins the trainer's Ray cluster itself, at ``init_transfer_engine``. Under
@@ -36,6 +38,10 @@ from vllm.distributed.weight_transfer.base import (
 from vllm.model_executor.model_loader.reload import (
     finalize_layerwise_reload,
     initialize_layerwise_reload,
+)
+from vllm.model_executor.model_loader.reload.layerwise import (
+    _layerwise_process,
+    get_layerwise_info,
 )
 
 import raydirect as rd
@@ -84,6 +90,39 @@ def _tensor_parallel() -> tuple[int, int]:
         return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
     except AssertionError:  # no parallel state: a model outside an engine
         return 0, 1
+
+
+def load(model: torch.nn.Module, model_config: Any, receiver: Receiver) -> bool:
+    """Loads what ``receiver`` received through vLLM's own reload path, as its
+    nccl and ipc engines run it, landed layers first; False when the model kept
+    some of the receiver's memory, which must then not be received into again."""
+    reusable = True
+    initialize_layerwise_reload(model)
+    try:
+        for layer_name, tensors in receiver.landed.items():
+            if _process_landed(model.get_submodule(layer_name), tensors):
+                reusable = False
+        cast(Any, model).load_weights(receiver.weights())
+    finally:
+        finalize_layerwise_reload(model, model_config)
+    return reusable
+
+
+def _process_landed(layer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
+    """What vLLM's reload does with a layer once its loaders have run
+    (``_layerwise_process``: process, copy into the serving tensors), given the
+    layer's tensors as the loaders would have left them. True when the processed
+    layer still holds one of them, which must then not be refilled."""
+    for name, memory in tensors.items():
+        stand = getattr(layer, name)  # the reload's meta stand-in: its class, its loader
+        tensor = memory.view(memory.shape)
+        tensor.__class__ = stand.__class__
+        tensor.__dict__ = stand.__dict__.copy()
+        setattr(layer, name, tensor)
+    _layerwise_process(layer, get_layerwise_info(layer))
+    ours = {t.untyped_storage().data_ptr() for t in tensors.values()}
+    held = [*layer.parameters(recurse=False), *layer.buffers(recurse=False), *vars(layer).values()]
+    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ours for t in held)
 
 
 class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, RaydirectUpdateInfo]):
@@ -148,6 +187,7 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
             "receive_s": received - planned,
             "load_s": time.perf_counter() - received,
             "bytes": receiver.bytes,
+            "landed_bytes": receiver.landed_bytes,
         }
         log.info("raydirect: applied version %s %s", update_info.version, self.last_update)
 
@@ -209,12 +249,8 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         return receiver
 
     def _load(self, receiver: Receiver) -> None:
-        # vLLM's own reload path, as its nccl and ipc engines run it.
-        initialize_layerwise_reload(self.model)
-        try:
-            cast(Any, self.model).load_weights(receiver.weights())
-        finally:
-            finalize_layerwise_reload(self.model, self.model_config)
+        if not load(self.model, self.model_config, receiver):
+            self._receivers.clear()  # the model holds its memory: the next update allocates anew
 
     def shutdown(self) -> None:
         self._receivers.clear()
