@@ -22,6 +22,10 @@ def _concatenating(param: torch.Tensor, loaded: torch.Tensor, shard: str) -> Non
     param.data.narrow(0, start, loaded.shape[0]).copy_(loaded)
 
 
+def _copying(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    param.data.copy_(loaded)
+
+
 def _scaling(param: torch.Tensor, loaded: torch.Tensor) -> None:
     param.data.copy_(loaded * 2)  # a value the loader makes: no landing can do it
 
@@ -76,3 +80,34 @@ def test_plain_layers_land_and_a_computing_one_loads(ray_session: None) -> None:
         fused = torch.cat([published["fused_a"], published["fused_b"]])
         assert torch.equal(toy.fused.weight, fused)
         assert torch.equal(toy.scaled.weight, published["scaled"] * 2)
+
+
+class _Tied(nn.Module):
+    """Tied embeddings: the head shares the embedding's tensor and, as vLLM's
+    models do, the loader skips the head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = _Layer(5, _copying)
+        self.head = _Layer(5, _copying)
+        self.head.weight = self.embed.weight
+
+    def load_weights(self, weights: Any) -> None:
+        for _name, tensor in weights:
+            self.embed.weight.weight_loader(self.embed.weight, tensor)
+
+
+def test_a_tied_tensor_is_filled_through_its_twin(ray_session: None) -> None:
+    tied = _Tied()
+    record_metadata_for_reloading(tied)
+    published = {"embed": torch.randn(5, 4)}
+    layout = [("embed", torch.float32, (5, 4))]
+
+    plan = survey(tied, layout)
+    assert not plan.problems  # the head's stand-in is its twin's, filled
+    assert not plan.layers  # shared: through the loader, not landed
+    receiver = Receiver(layout, plan)
+    receiver.receive([rd.WeightPublisher(published, depth=1).publish(1)], timeout=60)
+    assert load(tied, None, receiver)
+    assert tied.head.weight is tied.embed.weight
+    assert torch.equal(tied.head.weight, published["embed"])

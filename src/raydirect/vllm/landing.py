@@ -166,9 +166,11 @@ def _storage(t: torch.Tensor) -> int:
 
 
 @contextmanager
-def _on_meta(model: torch.nn.Module) -> Iterator[dict[int, Any]]:
+def _on_meta(model: torch.nn.Module) -> Iterator[tuple[dict[int, Any], dict[int, set[int]]]]:
     """Every layer of ``model`` in checkpoint format on the meta device, put back
-    on exit; yields storage id -> (parameter name, stand-in).
+    on exit; yields storage id -> (parameter name, stand-in), and for the stand-ins
+    of a tensor that several layers share (tied embeddings: one loader fills it,
+    the other layer's is skipped), storage id -> the ids of all its stand-ins.
 
     vLLM's loaders write the layout a layer had before its weights were processed
     (on CPU a linear layer's weight is repacked, its parameter then empty and
@@ -180,15 +182,20 @@ def _on_meta(model: torch.nn.Module) -> Iterator[dict[int, Any]]:
         (m, dict(m._parameters), dict(m._buffers), set(m._non_persistent_buffers_set))
         for m in model.modules()
     ]
+    shared: dict[int, set[int]] = defaultdict(set)  # id of a live tensor -> its stand-ins
     try:
         for module in model.modules():
+            live = {n: id(t) for n, t in get_layer_tensors(module).items()}
             restore_layer_on_meta(module, get_layerwise_info(module))
             # An earlier reload left vLLM's deferring wrapper on the stand-ins'
             # loaders (it buffers instead of copying): the loader under it copies.
-            for t in get_layer_tensors(module).values():
+            for n, t in get_layer_tensors(module).items():
                 if hasattr(t, "weight_loader"):
                     t.weight_loader = _get_original_loader(t)
-        yield {_storage(p): (name, p) for name, p in model.named_parameters() if p.is_meta}
+                if t.is_meta and n in live:
+                    shared[live[n]].add(_storage(t))
+        stands = {_storage(p): (name, p) for name, p in model.named_parameters() if p.is_meta}
+        yield stands, {key: keys for keys in shared.values() if len(keys) > 1 for key in keys}
     finally:
         for module, params, buffers, non_persistent in saved:
             module._parameters.clear()
@@ -208,11 +215,13 @@ def survey(
     global shape) and returns what this worker reads of each, and what is refused.
     ``tp``: this worker's tensor-parallel (rank, size)."""
     out = Survey()
-    with _on_meta(model) as params, torch.no_grad():
+    with _on_meta(model) as (params, twins), torch.no_grad():
         probes: dict[int, tuple[str, tuple[int, ...]]] = {}
+        alive = []  # a freed probe's storage id could come back as a value a loader made
         recorder = _Recorder(probes, params)
         for name, dtype, shape in published:
             probe = torch.empty(shape, dtype=dtype, device="meta")
+            alive.append(probe)
             probes[_storage(probe)] = (name, shape)
             try:
                 with recorder:
@@ -224,12 +233,13 @@ def survey(
                 recorder.derived = False
         out.problems += recorder.problems
         for key, (pname, stand) in params.items():
-            if recorder.filled.get(key, 0) < stand.numel():
+            if max(recorder.filled.get(k, 0) for k in twins.get(key, {key})) < stand.numel():
                 out.problems.append(
                     f"the engine's parameter {pname!r} is filled by no published tensor"
                 )
         if not out.problems:
-            _plan_landings(model, recorder, {n: shape for n, _d, shape in published}, out)
+            shapes = {n: shape for n, _d, shape in published}
+            _plan_landings(model, recorder, shapes, set(twins), out)
     for name, _dtype, shape in published:
         if name in recorder.reads:
             box = recorder.reads[name]
@@ -242,11 +252,13 @@ def _plan_landings(
     model: torch.nn.Module,
     recorder: _Recorder,
     shapes: dict[str, tuple[int, ...]],
+    tied: set[int],
     out: Survey,
 ) -> None:
     """Fills ``out.lands`` and ``out.layers`` with the layers all of whose
     tensors are tiled, exactly, by plain copies of published boxes that land
-    nowhere else; run with the stand-ins in place."""
+    nowhere else, none of them tied to another layer's; run with the stand-ins
+    in place."""
     uses: dict[str, int] = defaultdict(int)
     for copies in recorder.copies.values():
         for name, _src, _dst in copies:
@@ -261,6 +273,7 @@ def _plan_landings(
             or layer.__class__.__name__ in SKIP_MODULES
             or is_deferred_attention_layer(layer)
             or (method is not None and type(method).__name__ not in _PLAIN_METHODS)
+            or any(_storage(t) in tied for t in tensors.values() if t.is_meta)
         ):
             continue
         lands = [_tiling(lname, n, t, recorder, uses, shapes) for n, t in tensors.items()]
