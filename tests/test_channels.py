@@ -62,6 +62,37 @@ def test_a_channel_to_an_agent_that_never_answered_is_closed_at_the_next_use():
         live.close(0)
 
 
+def test_forget_closes_the_channels_other_threads_keep_to_a_lost_producer():
+    """The consumer, on losing a producer, closes every idle channel to its agent,
+    in whichever thread keeps one: a fetch-pool thread that talked to it last may
+    never talk again, and its cached sockets (5 eventfds) outlived the producer."""
+    agent, address = _agent()
+    other_agent, other_address = _agent()
+    kept: list[_channel.Channel] = []
+    done = threading.Event()
+
+    def keep_talking() -> None:  # a pool thread: alive, idle, its channels cached
+        _channel.notify(address, {"op": "sent"})
+        _channel.notify(other_address, {"op": "sent"})
+        kept.extend(_channel._channels.channels.values())
+        done.wait(30)
+        _channel.close_cached()
+
+    thread = threading.Thread(target=keep_talking)
+    thread.start()
+    try:
+        wait_for(lambda: len(kept) == 2, timeout=10, what="the thread's two channels")
+        lost, other = kept
+        _channel.forget(address)
+        assert lost.socket.closed and lost.monitor.closed
+        assert not other.socket.closed  # a channel to a live agent stays
+    finally:
+        done.set()
+        thread.join(10)
+        agent.close(0)
+        other_agent.close(0)
+
+
 def test_a_producer_that_dies_just_after_its_connection_broke_is_lost_not_alive():
     """A consumer waiting for a same-node producer's answer in slices (so that a
     closed gate is noticed) sees the connection break a moment before the kernel

@@ -234,8 +234,20 @@ class _ChannelCache(threading.local):
         # Most recently used last; bounded so that channels to producers long
         # gone do not pile up (each keeps sockets and reconnect attempts).
         self.channels: OrderedDict[str, Channel] = OrderedDict()
+        self.lock = threading.Lock()  # against ``forget`` from another thread
+        with _caches_lock:
+            ended = [c for c in _caches if not c[0].is_alive()]
+            _caches[:] = [c for c in _caches if c[0].is_alive()]
+            _caches.append((threading.current_thread(), self.channels, self.lock))
+        for _thread, channels, _lock in ended:  # a thread's end leaves its channels to us
+            for ch in channels.values():
+                ch.close()
 
 
+# Every thread's cache: ``forget`` closes the channels a dead producer left
+# idle in any of them (a fetch thread that talked to it last may never talk again).
+_caches: list[tuple[threading.Thread, OrderedDict[str, Channel], threading.Lock]] = []
+_caches_lock = threading.Lock()
 _channels = _ChannelCache()
 
 
@@ -243,10 +255,11 @@ _channels = _ChannelCache()
 def channel(address: str) -> Iterator[Channel]:
     """A channel to ``address`` reused by this thread; closed (not reused) when the
     conversation fails midway, so no stray reply can reach the next one."""
-    cache = _channels.channels
-    for gone in [a for a, c in cache.items() if a != address and not c.healthy()]:
-        cache.pop(gone).close()  # its agent died: nothing will use it again
-    ch = cache.pop(address, None)
+    cache, lock = _channels.channels, _channels.lock
+    with lock:
+        for gone in [a for a, c in cache.items() if a != address and not c.healthy()]:
+            cache.pop(gone).close()  # its agent died: nothing will use it again
+        ch = cache.pop(address, None)
     if ch is not None and not ch.healthy():
         ch.close()
         ch = None
@@ -258,21 +271,37 @@ def channel(address: str) -> Iterator[Channel]:
         ch.close()
         raise
     else:
-        old = cache.pop(address, None)
-        if old is not None:
-            old.close()
-        cache[address] = ch
-        while len(cache) > _CACHED_CHANNELS:
-            cache.popitem(last=False)[1].close()
+        with lock:
+            old = cache.pop(address, None)
+            cache[address] = ch
+            extra = [cache.popitem(last=False)[1] for _ in range(len(cache) - _CACHED_CHANNELS)]
+        for spare in [old, *extra]:
+            if spare is not None:
+                spare.close()
+
+
+def forget(address: str) -> None:
+    """Close the channels to ``address`` that any thread keeps idle: its agent is
+    gone (a producer lost), and they would hold their sockets until that thread
+    next talks, which a pool thread may never do."""
+    with _caches_lock:
+        caches = list(_caches)
+    for _thread, cache, lock in caches:
+        with lock:
+            ch = cache.pop(address, None)
+        if ch is not None:
+            ch.close()
 
 
 def close_cached() -> None:
     """Close every channel this thread keeps: for a thread about to idle, whose
     channels would otherwise hold their sockets open, to agents that may die
     meanwhile, until it next talks."""
-    cache = _channels.channels
-    while cache:
-        cache.popitem()[1].close()
+    with _channels.lock:
+        idle = list(_channels.channels.values())
+        _channels.channels.clear()
+    for ch in idle:
+        ch.close()
 
 
 def notify(address: str, header: dict[str, Any]) -> None:
@@ -299,8 +328,9 @@ def request(address: str, header: dict[str, Any], timeout: float) -> dict[str, A
 def _forget_after_fork() -> None:
     # The cached sockets belong to the parent's ZeroMQ context, unusable here
     # (pyzmq makes the child a context of its own).
-    global _channels
-    _process.keep_from_parent(_channels)
+    global _channels, _caches, _caches_lock
+    _process.keep_from_parent((_channels, _caches))
+    _caches, _caches_lock = [], threading.Lock()
     _channels = _ChannelCache()
 
 

@@ -293,6 +293,7 @@ def _read_bytes(
     except ProducerLostError:
         if same_node:
             sweep_dead_segments(producer.pid)
+        _channel.forget(producer.agent_address)
         raise
     store.count_received(name, ranges.nbytes)
 

@@ -103,20 +103,25 @@ def test_repeated_updates_match_hugging_face(engine: Any) -> None:
     assert record["landed_bytes"] == record["bytes"] == record["own"], record
     # the engine serves from its own tensors, not from the memory the next
     # update lands in (on CPU a linear layer's oneDNN handle holds its own copy)
-    assert sum(ray.get(engine.collective_rpc.remote(_poison_landed), timeout=60)) > 0
+    assert sum(ray.get(engine.collective_rpc.remote(_poison_landed()), timeout=60)) > 0
     assert _serves(engine, _state(model)) < LOGPROB_TOLERANCE
     trainer.shutdown()
 
 
-def _poison_landed(worker: Any) -> int:
-    """Fills the memory the worker lands updates in with NaN; returns its bytes."""
-    poisoned = 0
-    for receiver in worker.weight_transfer_engine._receivers.values():
-        for tensors in receiver.landed.values():
-            for t in tensors.values():
-                t.fill_(float("nan"))
-                poisoned += t.numel() * t.element_size()
-    return poisoned
+def _poison_landed() -> Any:
+    """A worker function (a closure, so shipped by value) that fills the memory the
+    worker lands updates in with NaN and returns its bytes."""
+
+    def poison(worker: Any) -> int:
+        poisoned = 0
+        for receiver in worker.weight_transfer_engine._receivers.values():
+            for tensors in receiver.landed.values():
+                for t in tensors.values():
+                    t.fill_(float("nan"))
+                    poisoned += t.numel() * t.element_size()
+        return poisoned
+
+    return poison
 
 
 def test_two_engines_one_client_and_tensor_parallel_slices(engine: Any, tp2_engine: Any) -> None:

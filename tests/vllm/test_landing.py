@@ -106,6 +106,7 @@ def test_a_tied_tensor_is_filled_through_its_twin(ray_session: None) -> None:
     plan = survey(tied, layout)
     assert not plan.problems  # the head's stand-in is its twin's, filled
     assert not plan.layers  # shared: through the loader, not landed
+    assert plan.retie == ["head"]  # its processing is redone from the new values
     receiver = Receiver(layout, plan)
     receiver.receive([rd.WeightPublisher(published, depth=1).publish(1)], timeout=60)
     assert load(tied, None, receiver)

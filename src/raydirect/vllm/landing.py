@@ -75,6 +75,9 @@ class Survey:
     reads: dict[str, Box] = field(default_factory=dict)
     problems: list[str] = field(default_factory=list)
     lands: dict[str, Landing] = field(default_factory=dict)
+    # layers tied to another's tensor that no loader fills: vLLM's reload leaves
+    # what their processing made of the old values (on CPU a repacked head)
+    retie: list[str] = field(default_factory=list)
     layers: dict[str, dict[str, tuple[tuple[int, ...], torch.dtype]]] = field(default_factory=dict)
 
 
@@ -237,6 +240,9 @@ def survey(
                 out.problems.append(
                     f"the engine's parameter {pname!r} is filled by no published tensor"
                 )
+        out.retie = sorted(
+            {params[k][0].rpartition(".")[0] for k in twins if not recorder.filled.get(k)}
+        )
         if not out.problems:
             shapes = {n: shape for n, _d, shape in published}
             _plan_landings(model, recorder, shapes, set(twins), out)

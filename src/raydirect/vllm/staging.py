@@ -72,6 +72,7 @@ class Receiver:
             self.whole[name] = memory.as_strided(shape, strides, 0)
             self._staged[name] = memory.as_strided(local, strides, start * strides[dim])
         self.bytes = sum(t.numel() * t.element_size() for t in self._staged.values())
+        self.retie = plan.retie
         self.landed_bytes = sum(
             t.numel() * t.element_size() for ts in self.landed.values() for t in ts.values()
         )

@@ -105,6 +105,11 @@ def load(model: torch.nn.Module, model_config: Any, receiver: Receiver) -> bool:
         cast(Any, model).load_weights(receiver.weights())
     finally:
         finalize_layerwise_reload(model, model_config)
+    for layer_name in receiver.retie:  # a tied head: processed again from its new values
+        layer = model.get_submodule(layer_name)
+        method = getattr(layer, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(layer)
     return reusable
 
 
