@@ -22,6 +22,7 @@ checkpoint tensor went into which parameter) and each fill. From that:
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -130,9 +131,7 @@ class _Recorder(TorchFunctionMode):
         if func is torch.Tensor.copy_:
             self._copied(args[0], args[1])
         elif func in _FILLS:
-            self._wrote(args[0])
-            if args[0].numel() and _storage(args[0]) in self.params:
-                self.computed.add(_storage(args[0]))
+            self._wrote(args[0], filled=True)
         return out
 
     def _copied(self, dst: torch.Tensor, src: Any) -> None:
@@ -158,10 +157,12 @@ class _Recorder(TorchFunctionMode):
         seen = self.reads.get(name, box)
         self.reads[name] = None if box is None or seen is None else _union(seen, box)
 
-    def _wrote(self, dst: torch.Tensor) -> None:
+    def _wrote(self, dst: torch.Tensor, filled: bool = False) -> None:
         key = _storage(dst)
         if key in self.params:
             self.filled[key] = self.filled.get(key, 0) + dst.numel()
+            if filled and dst.numel():  # a fill: a value no published tensor holds
+                self.computed.add(key)
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -302,25 +303,19 @@ def _tiling(
         return None
     tiles = []
     for name, src, dst in recorder.copies[key]:
-        if src is None or dst is None or uses[name] != 1 or _cuts(src, shapes[name]) > 1:
+        if src is None or dst is None or uses[name] != 1 or len(cut_dims(src, shapes[name])) > 1:
             return None
         tiles.append(Landing(lname, pname, name, src, dst))
-    if sum(_numel(t.dst) for t in tiles) != stand.numel():
+    if sum(math.prod(t.dst[1]) for t in tiles) != stand.numel():
         return None
     if any(_overlap(a.dst, b.dst) for i, a in enumerate(tiles) for b in tiles[i + 1 :]):
         return None
     return tiles
 
 
-def _cuts(box: Box, shape: tuple[int, ...]) -> int:
-    return sum((s, n) != (0, f) for s, n, f in zip(*box, shape, strict=True))
-
-
-def _numel(box: Box) -> int:
-    out = 1
-    for n in box[1]:
-        out *= n
-    return out
+def cut_dims(box: Box, shape: tuple[int, ...]) -> list[int]:
+    """The dims along which ``box`` is less than the whole of ``shape``."""
+    return [d for d, (s, n, f) in enumerate(zip(*box, shape, strict=True)) if (s, n) != (0, f)]
 
 
 def _overlap(a: Box, b: Box) -> bool:

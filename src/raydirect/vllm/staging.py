@@ -24,13 +24,13 @@ from typing import Any
 import torch
 
 import raydirect as rd
-from raydirect.vllm.landing import Box, Landing, Survey, contiguous_strides
+from raydirect.vllm.landing import Box, Landing, Survey, contiguous_strides, cut_dims
 
 
 def _slice_of(full: tuple[int, ...], box: Box) -> tuple[int, int, int] | None:
     """``box`` as ``(dim, start, stop)``, None for the whole tensor; a box cut
     along more than one dim is taken whole (no vLLM loader cuts so)."""
-    cut = [d for d, (s, n) in enumerate(zip(*box, strict=True)) if (s, n) != (0, full[d])]
+    cut = cut_dims(box, full)
     if len(cut) != 1:
         return None
     d = cut[0]
