@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import ray
 import torch
+from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 # A tiny Llama: 2 layers, head_dim 32 (the smallest the CPU attention takes).
 TINY_LLAMA = {
@@ -166,9 +168,10 @@ class Engine:
         return self.llm.collective_rpc(method, args=args)
 
 
-def start_engine(model: Path, **llm_kwargs: Any) -> Any:
-    """An ``Engine`` actor, started and ready (or the start's error, raised)."""
-    engine = Engine.remote(str(model), **llm_kwargs)
+def start_engine(model: Path, restarts: int = 0, **llm_kwargs: Any) -> Any:
+    """An ``Engine`` actor, started and ready (or the start's error, raised);
+    Ray restarts it up to ``restarts`` times if its process dies."""
+    engine = Engine.options(max_restarts=restarts).remote(str(model), **llm_kwargs)  # type: ignore[attr-defined]
     ray.get(engine.__ray_ready__.remote(), timeout=ENGINE_START_TIMEOUT_S)
     return engine
 
@@ -183,3 +186,22 @@ def close_to(got: list[float], want: list[float]) -> bool:
     return len(got) == len(want) and all(
         math.isclose(g, w, abs_tol=LOGPROB_TOLERANCE) for g, w in zip(got, want, strict=True)
     )
+
+
+class DictSource(WeightSource):
+    """A trainer's tensors as a dict (what the refusal cases bend); ``unpublished``
+    names stay in ``metadata()`` but are never yielded."""
+
+    def __init__(self, state: dict[str, torch.Tensor], unpublished: tuple[str, ...] = ()) -> None:
+        self.state, self.unpublished = state, unpublished
+
+    def metadata(self) -> list[ParamMeta]:
+        return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.state.items()]
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from ((n, t) for n, t in self.state.items() if n not in self.unpublished)
+
+
+def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A copy of ``model``'s weights."""
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -251,7 +251,7 @@ def survey(
         if name in recorder.reads:
             box = recorder.reads[name]
             out.reads[name] = ((0,) * len(shape), shape) if box is None else box
-            out.problems += _unread(name, shape, out.reads[name], tp)
+            out.problems += _unread(name, shape, out.reads[name], tp) if tp[1] > 1 else []
     return out
 
 
@@ -335,3 +335,23 @@ def _unread(name: str, shape: tuple[int, ...], box: Box, tp: tuple[int, int]) ->
                 f"reads only [{start}, {start + n}) of dim {d}: not the shape it has"
             ]
     return []
+
+
+def unread_problems(shapes: dict[str, tuple[int, ...]], reads: list[dict[str, Box]]) -> list[str]:
+    """Placeholder until the survey rewrite lands: the union of every rank's boxes
+    must cover each published tensor read at all."""
+    out = []
+    for name, shape in shapes.items():
+        boxes = [r[name] for r in reads if name in r]
+        if not boxes:
+            continue
+        lo = [min(b[0][d] for b in boxes) for d in range(len(shape))]
+        hi = [max(b[0][d] + b[1][d] for b in boxes) for d in range(len(shape))]
+        for d, (s, e) in enumerate(zip(lo, hi, strict=True)):
+            if (s, e) != (0, shape[d]):
+                out.append(
+                    f"{name!r}: published with shape {shape}, of which the engine's model "
+                    f"reads only [{s}, {e}) of dim {d}: not the shape it has"
+                )
+                break
+    return out

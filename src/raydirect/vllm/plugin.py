@@ -7,13 +7,18 @@ from vllm.distributed.weight_transfer.factory import (
     WeightTransferTrainerFactory,
 )
 
+from raydirect.vllm.cluster import export_ray_context
+
 BACKEND = "raydirect"
 
 
 def register() -> None:
     """Registers ``"raydirect"`` on the worker and trainer factories; idempotent
     (vLLM calls general plug-ins once per process, importing this package calls it
-    again). Lazy: the engines' modules load only when vLLM creates one."""
+    again). Lazy: the engines' modules load only when vLLM creates one. In a
+    process connected to Ray (an engine inside a Ray actor) it also passes that
+    Ray context on to the processes vLLM starts (see ``cluster``)."""
+    export_ray_context()
     if BACKEND not in WeightTransferEngineFactory._registry:
         WeightTransferEngineFactory.register_engine(
             BACKEND, "raydirect.vllm.worker", "RaydirectWeightTransferEngine"

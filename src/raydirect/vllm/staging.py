@@ -18,6 +18,7 @@ process those tensors as its reload would have processed the loaders' output.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,11 +39,25 @@ def _slice_of(full: tuple[int, ...], box: Box) -> tuple[int, int, int] | None:
 
 
 class Receiver:
-    """Staging for one published layout (names, dtypes, global shapes) in one worker."""
+    """Staging for one published layout (names, dtypes, global shapes) in one
+    worker, on ``device``: the engine's GPU where the trainer's tensors are on a
+    GPU too (read device to device), else host memory, pinned where the engine
+    is on a GPU (its loaders then copy it to the device). Landed layers are host
+    layers only (the survey lands no other)."""
 
     def __init__(
-        self, published: list[tuple[str, torch.dtype, tuple[int, ...]]], plan: Survey
+        self,
+        published: list[tuple[str, torch.dtype, tuple[int, ...]]],
+        plan: Survey,
+        device: torch.device | None = None,
+        pinned: bool = False,
     ) -> None:
+        device = device or torch.device("cpu")
+        pinned = pinned and device.type == "cpu"
+
+        def empty(shape: Any, dtype: torch.dtype) -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=device, pin_memory=pinned)
+
         self.whole: dict[str, torch.Tensor] = {}  # what the loaders get
         self._staged: dict[str, torch.Tensor] = {}  # what the subscriber fills
         self._slices: dict[str, tuple[int, int, int]] = {}
@@ -52,6 +67,7 @@ class Receiver:
             layer: {n: torch.empty(shape, dtype=dtype) for n, (shape, dtype) in tensors.items()}
             for layer, tensors in plan.layers.items()
         }
+        self._landed_names = set(plan.lands)
         for name, dtype, shape in published:
             if name not in plan.reads:
                 continue  # no loader of this worker reads it
@@ -62,13 +78,13 @@ class Receiver:
                 self._staged[name] = self._landing(plan.lands[name])
                 continue
             if cut is None:
-                self._staged[name] = self.whole[name] = torch.empty(shape, dtype=dtype)
+                self._staged[name] = self.whole[name] = empty(shape, dtype)
                 continue
             dim, start, stop = cut
             local = (*shape[:dim], stop - start, *shape[dim + 1 :])
             strides = contiguous_strides(local)
             span = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
-            memory = torch.empty(span, dtype=dtype)
+            memory = empty(span, dtype)
             self.whole[name] = memory.as_strided(shape, strides, 0)
             self._staged[name] = memory.as_strided(local, strides, start * strides[dim])
         self.bytes = sum(t.numel() * t.element_size() for t in self._staged.values())
@@ -89,17 +105,39 @@ class Receiver:
     def _shard(self, name: str, shape: tuple[int, ...]) -> tuple[int, int, int] | None:
         return self._slices.get(name)
 
+    @property
+    def staged(self) -> list[str]:
+        """The published names this worker receives."""
+        return list(self._staged)
+
+    def memory(self) -> list[torch.Tensor]:
+        """Every tensor whose storage this receiver writes into."""
+        landed = [t for tensors in self.landed.values() for t in tensors.values()]
+        return landed + [t for n, t in self._staged.items() if n not in self._landed_names]
+
     def receive(self, handles: list[Any], timeout: float) -> None:
         """Every staged tensor's bytes of the version ``handles`` (one per trainer
-        rank) hold; raises ``rd.WeightSyncError`` if any fails to arrive."""
+        rank) hold; raises ``rd.WeightSyncError`` if any fails to arrive. Waits
+        first until no other engine's worker reads the last version relayed from
+        this staging (within ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        if self._relay is not None:
+            try:
+                for tensor in self._staged.values():
+                    rd.wait_tensor_freed(tensor, timeout=max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                raise rd.WeightSyncError(
+                    "another engine's worker still reads the last version relayed from this "
+                    "worker's staging"
+                ) from None
         self._sub.version = None  # the engine, not the subscriber, orders versions
-        self._sub.load(handles, timeout=timeout)
+        self._sub.load(handles, timeout=max(deadline - time.monotonic(), 0.0))
 
     def relay(self, version: int) -> rd.WeightsHandle:
         """Publishes what was received, in place, for workers of other engines on
         this node that read the same: the trainer sends it once per node, not once
         per engine. Valid until the next ``receive``."""
-        if self._relay is None:
+        if self._relay is None or (self._relay.version or 0) >= version:  # a new trainer
             self._relay = rd.WeightPublisher(self._staged, depth=0, placement=self._placement)
         return self._relay.publish(version)
 

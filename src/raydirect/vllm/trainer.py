@@ -1,18 +1,19 @@
 """The trainer side: each rank publishes a version, rank 0 drives the engines.
 
-``send_weights`` on every rank: take the source's tensors (for vLLM's
+``send_weights`` on every rank takes the source's tensors (for vLLM's
 ``ModuleSource`` the FSDP gather runs here, on every rank, as in vLLM's own
-backends), publish them as one new version with ``rd.WeightPublisher`` (no copy:
-the tensors stay where they are until the engines have read them), and leave the
-handle in the mailbox. Rank 0 then drives the engines through the client
-(``start_weight_update``, ``update_weights({"version": v, ...})``,
-``finish_weight_update(str(v))``) and tells the other ranks how it ended, so an
-error reaches the caller of ``send_weights`` on every rank.
+backends) and, where the rank publishes, publishes them as one new version with
+``rd.WeightPublisher`` (no copy) and leaves the handle in the mailbox. Rank 0
+then runs the update in two phases (``rounds.drive``): every worker of every
+engine receives and checks without touching a serving tensor; only if all of
+them succeeded does any of them load. Every rank returns or raises only once no
+engine worker can still read its tensors, and within ``timeout`` in all.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,9 +30,8 @@ from vllm.distributed.weight_transfer.base import (
 import raydirect as rd
 from raydirect.vllm.mailbox import Mailbox
 from raydirect.vllm.plugin import BACKEND
+from raydirect.vllm.rounds import Round, drive, reserve_for_closing
 from raydirect.vllm.sources import ShardedModuleSource
-
-_SHOWN = 3  # dead ranks or names listed in one message
 
 
 @dataclass
@@ -41,11 +41,12 @@ class RaydirectTrainerInitInfo(TrainerInitInfo):
     ``rank`` is this trainer process's rank (rank 0 drives the engines); the number
     of ranks comes from torch.distributed's default group (1 without one).
     ``name`` names the mailbox actor in Ray (two trainers driving different
-    engines in one Ray namespace need different names). ``timeout`` bounds every
-    wait of an update, in seconds. ``tensor_transport``: how the engines' workers
-    read the bytes (``"auto"`` picks per pair: cross-memory on one node, tcp
-    across). ``dtype`` (e.g. ``"bfloat16"``) casts floating-point tensors as they
-    are published, into a buffer of their own; ``None`` publishes them in place.
+    engines in one Ray namespace need different names). ``timeout`` bounds a whole
+    update as each rank sees it, in seconds: ``send_weights`` returns or raises
+    within it. ``tensor_transport``: how the engines' workers read the bytes
+    (``"auto"`` picks per pair: cross-memory on one node, tcp across).
+    ``dtype`` (e.g. ``"bfloat16"``) casts floating-point tensors as they are
+    published, into a buffer of their own; ``None`` publishes them in place.
     """
 
     backend: ClassVar[str] = BACKEND
@@ -82,6 +83,12 @@ def _mailbox_at_rank0(name: str, ranks: int) -> Any:
     return Mailbox.options(name=name).remote(ranks)  # type: ignore[attr-defined]
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The memory this rank holds of ``tensor`` (a DTensor's local shard)."""
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if callable(to_local) else tensor
+
+
 class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[RaydirectTrainerInitInfo]):
     """The trainer-side engine of the ``raydirect`` backend (see the module docstring)."""
 
@@ -102,10 +109,14 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
         # A gathering source gives every rank the whole model: rank 0 alone publishes.
         self.publishes = sharded or self.info.rank == 0
         self.ranks = _world() if sharded else 1
+        # This step's tensors, by name: rebuilt each step (a name the source no
+        # longer yields is not published again) and emptied once the engines have
+        # read them (a gathered copy is not kept between steps).
         self._state: dict[str, torch.Tensor] = {}
         self._publisher: rd.WeightPublisher | None = None
         self._token = ray.put(self.info.rank) if ray.is_initialized() else None
         self.mailbox: Any = None
+        self._round: Round | None = None
 
     @classmethod
     def trainer_init(
@@ -133,42 +144,53 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
             ray.get(engine.mailbox.alive.remote(init_info.rank, [engine._token]))
         _barrier()
         if engine.is_sender:
-            context = ray.get_runtime_context()
-            engine.client.init_weight_transfer_engine(
-                {
-                    "name": init_info.name,
-                    "namespace": context.namespace,
-                    "address": context.gcs_address,
-                    "timeout": float(init_info.timeout),
-                }
-            )
+            engine._round = Round.at_init(client, engine.mailbox, init_info, engine.ranks)
         return engine
 
     def send_weights(self) -> None:
-        """Publish one new version and apply it in every engine; raises
-        ``rd.WeightSyncError`` naming what went wrong, on every rank."""
+        """Publish one new version and apply it in every engine, all or nothing;
+        raises ``rd.WeightSyncError`` naming what went wrong, on every rank. Returns
+        or raises within ``timeout``, and only once no engine worker can still
+        read this rank's tensors."""
         assert self.source is not None
+        deadline = time.monotonic() + self.info.timeout
         self.version += 1
         version, info = self.version, self.info
         try:
-            # Every rank iterates: for a gathering source that is a collective.
-            self._state.update(self.source)
+            self._snapshot()
             if self.publishes:
                 handle = self._publish(version)
-                ray.get(self.mailbox.put.remote(version, info.rank, [handle]))
+                put = self.mailbox.put.remote(version, info.rank, [handle])
+                ray.get(put, timeout=_left(deadline))
+                del handle  # the mailbox and the workers hold it now
         except Exception as exc:
-            if self.mailbox is not None and self.publishes:
-                self.mailbox.fail.remote(version, info.rank, f"{type(exc).__name__}: {exc}")
-            raise
+            if self.mailbox is not None:
+                with contextlib.suppress(Exception):
+                    self.mailbox.fail.remote(version, info.rank, f"{type(exc).__name__}: {exc}")
+            self._state.clear()
+            raise rd.WeightSyncError(
+                f"version {version} was not applied: trainer rank {info.rank} could not "
+                f"publish it ({type(exc).__name__}: {exc}). The engines keep serving the "
+                "weights they held before this update"
+            ) from exc
         if self.is_sender:
-            self._drive(version)
-            return
-        try:
-            error = ray.get(self.mailbox.outcome.remote(version, info.timeout))
-        except ray.exceptions.RayActorError:
-            error = "trainer rank 0, which drives the engines (and holds the mailbox), died"
+            error = self._drive(version, deadline)
+        else:
+            error = self._outcome(version, deadline)
+        error = _joined(error, self._release(version, deadline))
         if error:
-            raise rd.WeightSyncError(f"version {version} was not applied: {error}")
+            raise rd.WeightSyncError(error)
+
+    def _snapshot(self) -> None:
+        """This step's tensors. Every rank iterates (for a gathering source that is
+        a collective); a rank that does not publish keeps none of them."""
+        assert self.source is not None
+        if not self.publishes:
+            for _name, _tensor in self.source:
+                pass
+            return
+        self._state.clear()
+        self._state.update(self.source)
 
     def _publish(self, version: int) -> rd.WeightsHandle:
         if self._publisher is None:
@@ -181,45 +203,45 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
             )
         return self._publisher.publish(version, timeout=self.info.timeout)
 
-    def _drive(self, version: int) -> None:
-        """Rank 0: the engines' round trip for ``version``, its outcome to the others."""
-        assert self.source is not None
-        meta = self.source.metadata()
-        dtype = self.info.dtype
-        update = {
-            "version": version,
-            "ranks": self.ranks,
-            "names": [m.name for m in meta],
-            "dtype_names": [dtype or str(m.dtype).removeprefix("torch.") for m in meta],
-            "shapes": [list(m.shape) for m in meta],
-        }
+    def _drive(self, version: int, deadline: float) -> str:
+        """Rank 0: the engines' round trip for ``version``; its outcome goes to the
+        other ranks through the mailbox."""
+        assert self.source is not None and self._round is not None
+        devices = {_local(t).device.type for t in self._state.values()}
         try:
-            self.client.start_weight_update()
-            self.client.update_weights(update)
-            self.client.finish_weight_update(str(version))
-        except Exception as exc:
-            error = self._explain(version, exc)
-            self.mailbox.done.remote(version, error)
-            raise rd.WeightSyncError(error) from exc
-        ray.get(self.mailbox.done.remote(version, ""))
+            error = drive(self._round, version, self.source.metadata(), devices, deadline)
+        except Exception as exc:  # the mailbox or Ray itself failed: say so, everywhere
+            error = f"version {version} was not applied: {type(exc).__name__}: {exc}"
+        with contextlib.suppress(Exception):
+            ray.get(self.mailbox.done.remote(version, error), timeout=max(_left(deadline), 1.0))
+        return error
 
-    def _explain(self, version: int, exc: BaseException) -> str:
+    def _outcome(self, version: int, deadline: float) -> str:
+        """The other ranks: how rank 0's round ended, as soon as it is known."""
+        wait = max(_left(deadline) - reserve_for_closing(self.info.timeout) / 2, 0.0)
         try:
-            dead = ray.get(self.mailbox.dead_ranks.remote(), timeout=10)
-        except ray.exceptions.RayError:
-            dead = []
-        said = str(exc).strip().splitlines()
-        body = getattr(getattr(exc, "response", None), "text", None)
-        if isinstance(body, str):  # HTTP: the server's answer says what went wrong
-            said += body.replace("\\n", "\n").splitlines()
-        # A worker's error arrives wrapped by vLLM's RPC and Ray: its last line is ours.
-        last = said[-1] if said else ""
-        cause = next((line for line in reversed(said) if "raydirect" in line), last)
-        where = f"trainer rank(s) {dead[:_SHOWN]} died; " if dead else ""
-        return (
-            f"version {version} was not applied: {where}{type(exc).__name__}: {cause}. "
-            "The engines keep serving the weights they held before this update"
-        )
+            return str(ray.get(self.mailbox.outcome.remote(version, wait), timeout=wait + 5))
+        except ray.exceptions.RayActorError:
+            return "trainer rank 0, which drives the engines (and holds the mailbox), died"
+        except (ray.exceptions.RayError, TimeoutError) as exc:
+            return f"version {version}: the trainer's mailbox did not answer ({exc})"
+
+    def _release(self, version: int, deadline: float) -> str:
+        """Waits until no engine worker can read this rank's tensors (each is freed
+        once no handle of the version is alive anywhere), then lets them go."""
+        try:
+            for tensor in self._state.values():
+                rd.wait_tensor_freed(_local(tensor), timeout=max(_left(deadline), 0.0))
+        except TimeoutError:
+            return (
+                f"trainer rank {self.info.rank}: an engine worker still held version "
+                f"{version}'s tensors at the deadline ({self.info.timeout:.0f} s, "
+                "RaydirectTrainerInitInfo.timeout): they may still be read; do not write "
+                "them in place before rd.wait_tensor_freed returns for them"
+            )
+        finally:
+            self._state.clear()  # the publisher keeps this dict: emptied, not replaced
+        return ""
 
     def shutdown(self) -> None:
         """Releases the published tensors and, on rank 0, the mailbox."""
@@ -227,3 +249,11 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
         if self.is_sender and self.mailbox is not None:
             ray.kill(self.mailbox)
             self.mailbox = None
+
+
+def _left(deadline: float) -> float:
+    return deadline - time.monotonic()
+
+
+def _joined(*errors: str) -> str:
+    return " ".join(e for e in errors if e)

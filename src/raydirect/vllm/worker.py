@@ -1,35 +1,40 @@
-"""The worker side: each vLLM worker pulls its part of a version, then loads it.
+"""The worker side: every vLLM worker receives its part of a version while its
+engine serves, and loads it only once every worker of every engine has.
 
-``update_weights({"version": v, ...})`` runs in every worker of the engine. It
-takes the trainer ranks' handles of ``v`` from their mailbox (a named Ray actor;
-the update info itself is plain JSON, so it passes vLLM's RPC and HTTP), receives
-every byte this worker needs into memory of its own with ``rd.WeightSubscriber``,
-and only then loads them through vLLM's layerwise reload
-(``initialize_layerwise_reload`` / ``model.load_weights`` /
-``finalize_layerwise_reload``), so fused and quantized layouts come out as vLLM
-makes them. Layers whose loaders only slice and concatenate (see ``landing``)
-received their bytes already laid out as the loaders would have written them:
-vLLM processes those tensors directly, with no loader copy. An update that fails
-before the load leaves the model untouched: the engine serves the weights it had.
+* ``init_weight_transfer_engine``: join this engine's own Ray cluster, check the
+  trainer is in it, find its mailbox (``cluster``); close an update session a
+  trainer that died or lost touch left open.
+* ``start_weight_update``: nothing to do; the model is not touched yet.
+* ``update_weights(info)``: survey the published layout once per layout
+  (``landing``: which slice of each tensor this worker reads, what it refuses),
+  with every worker of the engine agreeing on the refusals; join the version in
+  the mailbox; then receive in the background (``receiving``) while the engine
+  keeps stepping. An engine that lost its init (restarted) takes it from ``info``.
+* ``finish_weight_update``: the trainer's decision. On commit, load through
+  vLLM's layerwise reload (``load``): the only part that stops the engine. On
+  abort, drop what was received. Either way vLLM's update session ends.
 
-On CPU vLLM's workers are plain subprocesses of the engine, not Ray actors: the
-engine joins the trainer's Ray cluster itself, at ``init_transfer_engine``. Under
-vLLM's Ray executor (GPU) the worker is a Ray actor and uses its own connection.
+No RPC here raises on any but the engine's last worker: vLLM's multiprocessing
+executor, on a worker's error, leaves the later workers' replies queued for the
+next call (every later call would then read the previous one's replies). So
+phase-one refusals and phase-two failures go to the trainer through the mailbox,
+and an error only this worker can report (a refused init) is gathered from every
+worker of the engine and raised by the last one.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
+import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 import ray
 import torch
-from vllm.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-)
+import torch.distributed as dist
+from vllm.distributed.parallel_state import get_world_group
 from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
@@ -45,89 +50,87 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 )
 
 import raydirect as rd
-from raydirect.vllm.landing import survey
+from raydirect.vllm import cluster
+from raydirect.vllm.landing import Survey, survey, unread_problems
+from raydirect.vllm.receiving import Pending
 from raydirect.vllm.staging import Receiver
 
 log = logging.getLogger(__name__)
 _SHOWN = 5  # refusals listed in one error
+_SLACK = 10.0  # seconds for one mailbox call
+
+Layout = tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[int, ...], ...]]
 
 
 @dataclass
 class RaydirectInitInfo(WeightTransferInitInfo):
-    """What trainer rank 0 sends each engine once: where its mailbox is."""
+    """What trainer rank 0 sends each engine once: its mailbox's name, and the
+    trainer's Ray cluster (a node of it) and namespace, for checking."""
 
     name: str
     namespace: str
     address: str
+    node: str = ""
     timeout: float = 300.0
 
 
 @dataclass
 class RaydirectUpdateInfo(WeightTransferUpdateInfo):
-    """One update: the version, how many trainer ranks published it, and its
-    tensors' names, dtypes and global shapes (as vLLM's nccl backend sends them)."""
+    """One update: the version, how many trainer ranks published it, its tensors'
+    names, dtypes and global shapes (as vLLM's nccl backend sends them), the
+    init info again (``trainer``: an engine that lost its init takes it from
+    here), the seconds phase one may take and where the trainer's tensors are."""
 
     version: int
     ranks: int
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    trainer: dict[str, Any] = field(default_factory=dict)
+    seconds: float = 300.0
+    device: str = "cpu"
 
 
-def _join_ray(info: RaydirectInitInfo) -> None:
-    if ray.is_initialized():
-        return  # a Ray actor already (vLLM's Ray executor)
-    ray.init(
-        address=info.address,
-        namespace=info.namespace,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
-    )
+@dataclass
+class _Plan:
+    """A surveyed layout: the survey, and the refusals every worker agrees on."""
+
+    published: list[tuple[str, torch.dtype, tuple[int, ...]]]
+    survey: Survey
+    problems: list[str] = field(default_factory=list)
 
 
-def _tensor_parallel() -> tuple[int, int]:
+def _world() -> tuple[int, int, Any]:
+    """This worker's (rank, size, CPU group) among its engine's workers."""
     try:
-        return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+        group = get_world_group()
     except AssertionError:  # no parallel state: a model outside an engine
-        return 0, 1
+        return 0, 1, None
+    return group.rank_in_group, group.world_size, group.cpu_group
 
 
-def load(model: torch.nn.Module, model_config: Any, receiver: Receiver) -> bool:
-    """Loads what ``receiver`` received through vLLM's own reload path, as its
-    nccl and ipc engines run it, landed layers first; False when the model kept
-    some of the receiver's memory, which must then not be received into again."""
-    reusable = True
-    initialize_layerwise_reload(model)
-    try:
-        for layer_name, tensors in receiver.landed.items():
-            if _process_landed(model.get_submodule(layer_name), tensors):
-                reusable = False
-        cast(Any, model).load_weights(receiver.weights())
-    finally:
-        finalize_layerwise_reload(model, model_config)
-    for layer_name in receiver.retie:  # a tied head: processed again from its new values
-        layer = model.get_submodule(layer_name)
-        method = getattr(layer, "quant_method", None)
-        if method is not None:
-            method.process_weights_after_loading(layer)
-    return reusable
+def _everyone(value: Any) -> list[Any]:
+    """``value`` of every worker of the engine (a collective: every worker runs
+    each RPC at once)."""
+    _rank, size, group = _world()
+    if size == 1:
+        return [value]
+    out: list[Any] = [None] * size
+    dist.all_gather_object(out, value, group=group)
+    return out
 
 
-def _process_landed(layer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> bool:
-    """What vLLM's reload does with a layer once its loaders have run
-    (``_layerwise_process``: process, copy into the serving tensors), given the
-    layer's tensors as the loaders would have left them. True when the processed
-    layer still holds one of them, which must then not be refilled."""
-    for name, memory in tensors.items():
-        stand = getattr(layer, name)  # the reload's meta stand-in: its class, its loader
-        tensor = memory.view(memory.shape)
-        tensor.__class__ = stand.__class__
-        tensor.__dict__ = stand.__dict__.copy()
-        setattr(layer, name, tensor)
-    _layerwise_process(layer, get_layerwise_info(layer))
-    ours = {t.untyped_storage().data_ptr() for t in tensors.values()}
-    held = [*layer.parameters(recurse=False), *layer.buffers(recurse=False), *vars(layer).values()]
-    return any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in ours for t in held)
+def _raise_once(what: str, errors: list[str | None]) -> None:
+    """Every worker's error of ``what``, raised by the engine's last worker only."""
+    said = sorted({f"{e}" for e in errors if e})
+    rank, size, _group = _world()
+    if said and rank == size - 1:
+        raise rd.WeightSyncError(f"raydirect: {what} failed: {'; '.join(said)}")
+
+
+def _error(exc: BaseException) -> str:
+    said = str(exc).removeprefix("raydirect: ")
+    return said if isinstance(exc, rd.WeightSyncError) else f"{type(exc).__name__}: {said}"
 
 
 class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, RaydirectUpdateInfo]):
@@ -138,125 +141,239 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self._id = secrets.token_hex(8)
+        self._trainer: cluster.Trainer | None = None
         self._mailbox: Any = None
-        self._timeout = 300.0
-        self._receivers: dict[tuple[Any, ...], Receiver] = {}
+        self._plans: dict[Layout, _Plan] = {}
+        self._receivers: dict[Layout, Receiver] = {}
+        self._pending: Pending | None = None  # the version of the open session
+        self._previous: Pending | None = None  # an aborted one maybe still receiving
+        self._open = False  # vLLM's update session: started, not yet finished
         self.last_update: dict[str, Any] = {}  # seconds per phase, bytes received
 
+    # ----------------------------------------------------------------- init
+
     def init_transfer_engine(self, init_info: RaydirectInitInfo) -> None:
-        _join_ray(init_info)
+        error = None
         try:
-            self._mailbox = ray.get_actor(init_info.name, namespace=init_info.namespace)
-        except ValueError:
-            raise rd.WeightSyncError(
-                f"raydirect: no trainer mailbox {init_info.name!r} in Ray namespace "
-                f"{init_info.namespace!r} at {init_info.address}: is the trainer's "
-                "trainer_init running?"
-            ) from None
-        self._timeout = float(init_info.timeout)
-        self._receivers.clear()
+            self._close_stale_session()
+            self._init(dict(vars(init_info)))
+        except Exception as exc:
+            error = _error(exc)
+        _raise_once("init_weight_transfer_engine", _everyone(error))
+
+    def _init(self, fields: dict[str, Any]) -> None:
+        trainer = cluster.Trainer.of(fields)
+        namespace = cluster.join(trainer)
+        self._mailbox = cluster.mailbox(trainer, namespace)
+        self._trainer = trainer
+
+    def _close_stale_session(self) -> None:
+        """A new trainer while an update session is open (its trainer died, or a
+        control call failed): vLLM would refuse the next start on every worker.
+        The session is closed as vLLM's own ``finish_weight_update`` closes it
+        (this engine's part drops what it received)."""
+        if not self._open:
+            return
+        for holder in gc.get_referrers(self):
+            if isinstance(holder, dict) and holder.get("weight_transfer_engine") is self:
+                for worker in gc.get_referrers(holder):
+                    if getattr(worker, "__dict__", None) is holder and hasattr(
+                        worker, "finish_weight_update"
+                    ):
+                        log.warning("raydirect: closing an update session left open")
+                        worker.finish_weight_update()
+                        return
+
+    # ----------------------------------------------------------------- phase one
 
     def start_weight_update(self) -> None:
-        """Nothing yet: the model is touched only once every byte has arrived."""
-
-    def finish_weight_update(self) -> None:
-        """Nothing left: ``update_weights`` applied the version whole."""
+        """Nothing yet: the model is touched only once every worker has received."""
+        self._open = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        self.receive_weights(self.parse_update_info(update_info))
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
+        """Phase one's start: survey, agree on refusals, join, receive in the background."""
+        error, info, plan = None, None, None
+        try:
+            info = self.parse_update_info(update_info)
+            if self._trainer is None or info.trainer.get("name") != self._trainer.name:
+                self._init(info.trainer)  # this engine lost its init: restarted
+            plan, fresh = self._plan_for(info)
+        except Exception as exc:
+            error, fresh = _error(exc), False
+        said = _everyone((error, fresh))
+        if any(f for _e, f in said):  # a new layout: refusals are the whole engine's
+            self._agree(plan)
+        errors = [e for e, _f in said]
+        if any(errors):
+            rank, size, _group = _world()
+            self._open = rank != size - 1  # vLLM ends the session of the worker that raises
+            _raise_once("update_weights", errors)
+            return
+        assert info is not None and plan is not None
+        self._begin(info, plan)
 
     def receive_weights(self, update_info: RaydirectUpdateInfo) -> None:
-        if self._mailbox is None:
-            raise rd.WeightSyncError(
-                "raydirect: init_weight_transfer_engine was not called on this engine"
-            )
-        start = time.perf_counter()
-        handles = self._handles(update_info.version)
-        receiver = self._receiver_for(update_info)
-        planned = time.perf_counter()
-        try:
-            self._receive(update_info.version, receiver, handles)
-        except rd.WeightSyncError as exc:
-            raise rd.WeightSyncError(
-                f"raydirect: version {update_info.version} did not arrive ({exc}); the model "
-                "is untouched"
-            ) from exc
-        received = time.perf_counter()
-        self._load(receiver)
-        self.last_update = {
-            **self.last_update,
-            "version": update_info.version,
-            "plan_s": planned - start,
-            "receive_s": received - planned,
-            "load_s": time.perf_counter() - received,
-            "bytes": receiver.bytes,
-            "landed_bytes": receiver.landed_bytes,
-        }
-        log.info("raydirect: applied version %s %s", update_info.version, self.last_update)
+        raise rd.WeightSyncError(
+            "raydirect receives in update_weights and loads in finish_weight_update: "
+            "drive it through vLLM's start/update/finish calls"
+        )
 
-    def _receive(self, version: int, receiver: Receiver, handles: list[Any]) -> None:
-        """From the ranks, or from the worker of another engine on this node that
-        reads the same and received it first (the relay): across nodes the
-        trainer then sends each byte once per node, not once per engine."""
-        key = f"{ray.get_runtime_context().get_node_id()} {receiver.key}"
-        if ray.get(self._mailbox.lead.remote(version, key)):
-            try:
-                receiver.receive(handles, self._timeout)
-            except BaseException:
-                self._mailbox.relayed.remote(version, key, [""])
-                raise
-            self._mailbox.relayed.remote(version, key, [receiver.relay(version)])
-            self.last_update["relayed_from"] = 0
+    def _plan_for(self, info: RaydirectUpdateInfo) -> tuple[_Plan, bool]:
+        key = (tuple(info.names), tuple(info.dtype_names), tuple(map(tuple, info.shapes)))
+        plan = self._plans.get(key)
+        if plan is not None:
+            return plan, False
+        published = [
+            (n, getattr(torch, d), tuple(s))
+            for n, d, s in zip(info.names, info.dtype_names, info.shapes, strict=True)
+        ]
+        plan = _Plan(published, survey(self.model, published))
+        self._plans = {key: plan}  # one layout at a time is what a loop sends
+        self._receivers = {k: r for k, r in self._receivers.items() if k == key}
+        return plan, True
+
+    def _agree(self, plan: _Plan | None) -> None:
+        """Every worker's refusals and reads of a new layout, so each refuses what
+        any refuses, and a tensor wider than what all of them read together."""
+        mine = None if plan is None else (plan.survey.problems, plan.survey.reads)
+        everyone = [m for m in _everyone(mine) if m is not None]
+        if plan is None:
             return
-        relay = ray.get(self._mailbox.relay.remote(version, key, self._timeout))
-        if relay is not None:
-            try:
-                receiver.receive([relay], self._timeout)
-                self.last_update["relayed_from"] = 1
-                return
-            except rd.WeightSyncError as exc:  # the relay's worker went: the ranks
-                log.warning("raydirect: relay of version %s failed (%s)", version, exc)
-        receiver.receive(handles, self._timeout)
-        self.last_update["relayed_from"] = 0
+        problems = sorted({p for ps, _reads in everyone for p in ps})
+        shapes = {n: s for n, _d, s in plan.published}
+        plan.problems = problems + unread_problems(shapes, [reads for _ps, reads in everyone])
 
-    def _handles(self, version: int) -> list[Any]:
-        try:
-            return ray.get(self._mailbox.take.remote(version, self._timeout))
-        except ray.exceptions.RayTaskError as exc:
-            cause = exc.cause if exc.cause is not None else exc
-            raise rd.WeightSyncError(f"raydirect: {cause}; the model is untouched") from None
-        except ray.exceptions.RayActorError:
-            raise rd.WeightSyncError(
-                "raydirect: the trainer's mailbox is gone: trainer rank 0 died; the model "
-                "is untouched"
-            ) from None
+    def _begin(self, info: RaydirectUpdateInfo, plan: _Plan) -> None:
+        rank, size, _group = _world()
+        who = {
+            "engine": self.vllm_config.instance_id,
+            "rank": rank,
+            "world": size,
+            "label": f"engine {self.vllm_config.instance_id} worker {rank}/{size}",
+        }
+        deadline = time.monotonic() + float(info.seconds)
+        refusal = ""
+        if plan.problems:
+            more = len(plan.problems) - _SHOWN
+            refusal = (
+                f"version {info.version} does not fit the engine's model: "
+                f"{'; '.join(plan.problems[:_SHOWN])}{f' (and {more} more)' if more > 0 else ''}"
+            )
+        ray.get(self._mailbox.join.remote(info.version, self._id, who), timeout=_SLACK)
+        pending = Pending(info.version, self._id, self._mailbox, deadline, refusal)
+        earlier = [p for p in (self._pending, self._previous) if p is not None and p.running()]
+        after = earlier[0] if earlier else None
+        key = (tuple(info.names), tuple(info.dtype_names), tuple(map(tuple, info.shapes)))
+        pending.start(lambda: self._receiver(key, plan, info.device), after)
+        self._pending, self._previous = pending, None
 
-    def _receiver_for(self, update: RaydirectUpdateInfo) -> Receiver:
-        key = (tuple(update.names), tuple(update.dtype_names), tuple(map(tuple, update.shapes)))
+    def _receiver(self, key: Layout, plan: _Plan, device: str) -> Receiver:
+        """This layout's staging, kept across updates (called in phase one's thread)."""
         receiver = self._receivers.get(key)
         if receiver is None:
-            published = [
-                (n, getattr(torch, d), tuple(s))
-                for n, d, s in zip(update.names, update.dtype_names, update.shapes, strict=True)
-            ]
-            plan = survey(self.model, published, _tensor_parallel())
-            if plan.problems:
-                shown = "; ".join(plan.problems[:_SHOWN])
-                more = len(plan.problems) - _SHOWN
-                raise rd.WeightSyncError(
-                    f"raydirect: version {update.version} does not fit the engine's model: "
-                    f"{shown}{f' (and {more} more)' if more > 0 else ''}; the model is untouched"
-                )
-            receiver = Receiver(published, plan)
-            self._receivers = {key: receiver}  # one layout at a time is what a loop sends
+            on_gpu = self.device.type == "cuda"
+            where = self.device if on_gpu and device == "cuda" else torch.device("cpu")
+            receiver = Receiver(plan.published, plan.survey, where, pinned=on_gpu)
+            self._receivers[key] = receiver
         return receiver
+
+    # ----------------------------------------------------------------- phase two
+
+    def finish_weight_update(self) -> None:
+        """Loads on the trainer's commit, drops on its abort; never raises (a
+        failure goes to the trainer through the mailbox)."""
+        self._open = False
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        decision = ""
+        try:
+            decision = ray.get(self._mailbox.decision.remote(pending.version), timeout=_SLACK)
+        except Exception as exc:
+            log.warning("raydirect: no decision on version %s (%s): dropped", pending.version, exc)
+        if decision != "commit" or not pending.finished.is_set() or pending.error:
+            self._previous = pending  # its reads may go on: the next update waits for them
+            return
+        error = ""
+        started = time.perf_counter()
+        try:
+            assert pending.receiver is not None
+            self._load(pending.receiver)
+        except Exception as exc:
+            error = f"loading failed ({_error(exc)})"
+            log.exception("raydirect: loading version %s failed", pending.version)
+        self._mailbox.report.remote(pending.version, self._id, "applied", error)
+        self._record(pending, time.perf_counter() - started)
 
     def _load(self, receiver: Receiver) -> None:
         if not load(self.model, self.model_config, receiver):
             self._receivers.clear()  # the model holds its memory: the next update allocates anew
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def _record(self, pending: Pending, load_s: float) -> None:
+        receiver = pending.receiver
+        assert receiver is not None
+        self.last_update = {
+            **self.last_update,
+            "version": pending.version,
+            "receive_s": pending.received_s,
+            "load_s": load_s,
+            "bytes": receiver.bytes,
+            "landed_bytes": receiver.landed_bytes,
+            "relayed_from": pending.relayed_from,
+        }
+        log.info("raydirect: applied version %s %s", pending.version, self.last_update)
 
     def shutdown(self) -> None:
         self._receivers.clear()
-        self._mailbox = None
+        self._plans.clear()
+        self._mailbox, self._trainer = None, None
+
+
+def _uses(tensors: list[torch.Tensor]) -> dict[int, int]:
+    """How many tensors (and other holders) share each storage of ``tensors``."""
+    out = {}
+    for t in tensors:
+        cdata = t.untyped_storage()._cdata
+        out[cdata] = torch._C._storage_Use_Count(cdata)
+    return out
+
+
+def load(model: torch.nn.Module, model_config: Any, receiver: Receiver) -> bool:
+    """Loads what ``receiver`` received through vLLM's own reload path, as its
+    nccl and ipc engines run it, landed layers first. False when the model kept
+    some of the receiver's memory (a processed layer that still refers to a
+    landed tensor, as vLLM's CPU Zen path without prepacking does, or a loader
+    that kept a staging tensor): that memory is the engine's now, and the next
+    update must not write it while the engine serves."""
+    memory = receiver.memory()
+    before = _uses(memory)
+    initialize_layerwise_reload(model)
+    try:
+        for layer_name, tensors in receiver.landed.items():
+            _process_landed(model.get_submodule(layer_name), tensors)
+        cast(Any, model).load_weights(receiver.weights())
+    finally:
+        finalize_layerwise_reload(model, model_config)
+    for layer_name in receiver.retie:  # a tied head: processed again from its new values
+        layer = model.get_submodule(layer_name)
+        method = getattr(layer, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(layer)
+    after = _uses(memory)
+    return all(after[k] <= n for k, n in before.items())
+
+
+def _process_landed(layer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """What vLLM's reload does with a layer once its loaders have run
+    (``_layerwise_process``: process, copy into the serving tensors), given the
+    layer's tensors as the loaders would have left them."""
+    for name, memory in tensors.items():
+        stand = getattr(layer, name)  # the reload's meta stand-in: its class, its loader
+        tensor = memory.view(memory.shape)
+        tensor.__class__ = stand.__class__
+        tensor.__dict__ = stand.__dict__.copy()
+        setattr(layer, name, tensor)
+    _layerwise_process(layer, get_layerwise_info(layer))

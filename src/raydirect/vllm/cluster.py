@@ -1,0 +1,126 @@
+"""Which Ray cluster an engine's workers talk to, and whom they trust in it.
+
+The trust boundary is the engine's own Ray cluster: whoever can create actors in
+it can already run code on its nodes. A request to the engine (vLLM's RPC, or
+its HTTP RL routes, which anyone who reaches the server may call) carries only
+JSON: a mailbox's name, and the trainer's cluster and namespace for checking.
+So a worker
+
+* joins the cluster of its own environment, never one a request names: its Ray
+  actor's under vLLM's Ray executor, else ``RAY_ADDRESS`` (or the cluster
+  running on this node), with the namespace of ``RAY_NAMESPACE``; the plug-in
+  passes the Ray context of a process hosting the engine (an ``LLM`` in a Ray
+  actor) on to the processes vLLM starts, through those two variables;
+* refuses, before it connects to anything, a trainer outside that cluster (its
+  node is none of the cluster's nodes) or in another namespace;
+* talks only to an actor of raydirect's ``Mailbox`` class under the given
+  name: nothing a request carries makes it unpickle another actor's reply.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+import raydirect as rd
+
+ADDRESS, NAMESPACE = "RAY_ADDRESS", "RAY_NAMESPACE"
+_MAILBOX = "Mailbox"  # the class a trainer's mailbox actor is made of (mailbox.py)
+
+
+@dataclass(frozen=True)
+class Trainer:
+    """Where a trainer said its mailbox is (the init info's fields)."""
+
+    name: str
+    namespace: str
+    address: str
+    node: str
+
+    @classmethod
+    def of(cls, fields: dict[str, Any]) -> Trainer:
+        try:
+            return cls(*(str(fields[k]) for k in ("name", "namespace", "address", "node")))
+        except KeyError as exc:
+            raise rd.WeightSyncError(
+                f"raydirect: the init info lacks {exc}: the trainer's raydirect is older "
+                "than the engine's; install the same raydirect on both"
+            ) from None
+
+
+def export_ray_context() -> None:
+    """In a process connected to Ray (e.g. an ``LLM`` inside a Ray actor): makes
+    the processes it starts (vLLM's engine core and workers) join the same
+    cluster and namespace, unless set otherwise already."""
+    if ray.is_initialized():
+        context = ray.get_runtime_context()
+        os.environ.setdefault(ADDRESS, context.gcs_address)
+        os.environ.setdefault(NAMESPACE, context.namespace)
+
+
+def join(trainer: Trainer) -> str:
+    """Joins this engine's own Ray cluster (once per process) and checks that
+    ``trainer`` is in it; returns the namespace to look the mailbox up in.
+    Raises ``rd.WeightSyncError`` naming the fix otherwise."""
+    own = os.environ.get(NAMESPACE) or None
+    if ray.is_initialized():
+        own = own or ray.get_runtime_context().namespace
+    else:
+        _connect(own, trainer)
+    if own is not None and own != trainer.namespace:
+        raise rd.WeightSyncError(
+            f"raydirect: the trainer's mailbox is in Ray namespace {trainer.namespace!r}, "
+            f"this engine's is {own!r}: start the trainer in the engine's namespace, or "
+            f"the engine with {NAMESPACE}={trainer.namespace}"
+        )
+    nodes = {n.get("NodeID") for n in ray.nodes()}
+    if trainer.node not in nodes:
+        here = ray.get_runtime_context().gcs_address
+        raise rd.WeightSyncError(
+            f"raydirect: the trainer is not in this engine's Ray cluster (it names the "
+            f"cluster at {trainer.address}; this engine's is at {here}). An engine joins "
+            f"the cluster of its own environment ({ADDRESS}, or its Ray actor's), never "
+            "one a request names: start the engine in the trainer's cluster"
+        )
+    return own or trainer.namespace
+
+
+def _connect(namespace: str | None, trainer: Trainer) -> None:
+    address = os.environ.get(ADDRESS) or "auto"
+    try:
+        ray.init(
+            address=address,
+            namespace=namespace,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
+    except ConnectionError as exc:
+        raise rd.WeightSyncError(
+            f"raydirect: this engine is in no Ray cluster ({ADDRESS}="
+            f"{os.environ.get(ADDRESS, '')!r}: {exc}). Start it with {ADDRESS} set to the "
+            f"trainer's cluster (the trainer's is at {trainer.address})"
+        ) from None
+
+
+def mailbox(trainer: Trainer, namespace: str) -> Any:
+    """The trainer's mailbox actor, checked to be one before any call to it."""
+    try:
+        actor = ray.get_actor(trainer.name, namespace=namespace)
+    except ValueError:
+        raise rd.WeightSyncError(
+            f"raydirect: no trainer mailbox {trainer.name!r} in Ray namespace "
+            f"{namespace!r}: is the trainer's trainer_init running?"
+        ) from None
+    # An actor handle's repr names the class it was made of ("Actor(Mailbox, id)");
+    # reading it makes no call, so an impostor's reply is never unpickled.
+    if not repr(actor).startswith(f"Actor({_MAILBOX},"):
+        raise rd.WeightSyncError(
+            f"raydirect: the actor named {trainer.name!r} in namespace {namespace!r} is "
+            f"{repr(actor)}, not a raydirect trainer mailbox: refused (name the trainer's "
+            "mailbox, RaydirectTrainerInitInfo.name)"
+        )
+    return actor

@@ -1,0 +1,248 @@
+"""Rank 0's round trip with the engines for one version: two phases, all or nothing.
+
+1. ``start_weight_update`` then ``update_weights(info)`` on every engine. Each
+   worker joins the version in the mailbox before that RPC returns, then
+   receives in the background while its engine keeps serving: the bytes go into
+   staging memory of its own, every check runs, no serving tensor is touched.
+   Rank 0 waits for every joined worker's report.
+2. Only if every worker of every engine received does rank 0 decide *commit*;
+   otherwise *abort*. Either way it calls ``finish_weight_update`` on every
+   engine (with the new weight version only on commit), which closes every
+   engine's vLLM update session: a committing worker loads there (the only part
+   that stops its engine), an aborting one drops what it received.
+
+Every client call is bounded by the update's deadline (a call that does not
+return in time is named, with its phase); a part of the deadline is kept for
+closing the sessions after a phase one that ran out of time.
+
+vLLM's own calls raise on a worker whose session state does not match (start
+while one is open, finish without one), and its multiprocessing executor then
+leaves the other workers' replies queued for the next call. So rank 0 never
+calls ``update_weights`` after a failed start, and after any failed control call
+it initialises the engines again before the next update: a worker then closes a
+session left open (see ``worker``).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from vllm.distributed.weight_transfer.base import ParamMeta, VLLMWeightSyncClient
+
+import raydirect as rd
+
+log = logging.getLogger(__name__)
+_SHOWN = 5  # problems listed in one message
+_SLACK = 10.0  # on top of a mailbox wait's own deadline, for the call itself
+
+
+def reserve_for_closing(timeout: float) -> float:
+    """The part of an update's deadline kept for closing the sessions."""
+    return min(10.0, 0.25 * timeout)
+
+
+@dataclass
+class Round:
+    """What rank 0 keeps between versions to drive the engines."""
+
+    client: VLLMWeightSyncClient
+    mailbox: Any
+    trainer: dict[str, Any]  # the init info: how a worker finds and checks the mailbox
+    timeout: float
+    ranks: int  # trainer ranks that publish each version
+    dtype: str | None  # what floating-point tensors are published as, if cast
+    suspect: bool = False  # a control call failed: an engine may hold an open session
+
+    @classmethod
+    def at_init(cls, client: VLLMWeightSyncClient, mailbox: Any, info: Any, ranks: int) -> Round:
+        """Initialises every engine's workers for this trainer (``info``: its
+        ``RaydirectTrainerInitInfo``; ``ranks``: how many publish); raises
+        ``rd.WeightSyncError`` naming why not."""
+        context = ray.get_runtime_context()
+        trainer = {
+            "name": info.name,
+            "namespace": context.namespace,
+            "address": context.gcs_address,
+            "node": context.get_node_id(),
+            "timeout": float(info.timeout),
+        }
+        made = cls(client, mailbox, trainer, float(info.timeout), ranks, info.dtype)
+        deadline = time.monotonic() + made.timeout
+        try:
+            _call(client.init_weight_transfer_engine, (trainer,), "init", deadline)
+        except Exception as exc:
+            raise rd.WeightSyncError(
+                f"raydirect: the engines refused this trainer: {_said(exc)}"
+            ) from exc
+        return made
+
+
+def drive(
+    round_: Round, version: int, meta: list[ParamMeta], devices: set[str], deadline: float
+) -> str:
+    """One version's round trip; ``""`` if every engine applied it, else what
+    went wrong and what the engines hold now."""
+    dtype = round_.dtype
+    update = {
+        "version": version,
+        "ranks": round_.ranks,
+        "names": [m.name for m in meta],
+        "dtype_names": [
+            dtype if dtype and m.dtype.is_floating_point else str(m.dtype).removeprefix("torch.")
+            for m in meta
+        ],
+        "shapes": [list(m.shape) for m in meta],
+        "trainer": round_.trainer,
+        "device": "cuda" if "cuda" in devices else "cpu",
+    }
+    phase_end = deadline - reserve_for_closing(round_.timeout)
+    problems: list[str] = []
+    started = _open_sessions(round_, update, phase_end, problems)
+    mailbox = round_.mailbox
+    if not problems:  # else it is an abort already: the workers still receiving drop it
+        wait = max(phase_end - time.monotonic(), 0.0)
+        first = ray.get(mailbox.reports.remote(version, "received", wait), timeout=wait + _SLACK)
+        problems += _unreported(first, "receive", float(update.get("seconds", 0.0)))
+        problems += _reported(first)
+    commit = not problems
+    ray.get(mailbox.decide.remote(version, commit), timeout=_SLACK)
+    if not started:
+        return _not_applied(version, problems)
+    closed = _close_sessions(round_, version if commit else None, deadline, problems)
+    if not commit:
+        return _not_applied(version, problems)
+    wait = max(deadline - time.monotonic(), 0.0)
+    second = ray.get(mailbox.reports.remote(version, "applied", wait), timeout=wait + _SLACK)
+    failed = _reported(second) + (_unreported(second, "load", 0.0) if closed else problems)
+    return _partly_applied(version, failed) if failed else ""
+
+
+def _open_sessions(
+    round_: Round, update: dict[str, Any], phase_end: float, problems: list[str]
+) -> bool:
+    """Phase one's calls; False if no session was opened (a start that fails
+    on one engine may have opened the others: True then)."""
+    client = round_.client
+    if round_.suspect:  # a worker then closes a session a failed call left open
+        try:
+            _call(client.init_weight_transfer_engine, (round_.trainer,), "init", phase_end)
+            round_.suspect = False
+        except Exception as exc:
+            problems.append(f"init_weight_transfer_engine failed: {_said(exc)}")
+            return False
+    try:
+        _call(client.start_weight_update, (), "start_weight_update", phase_end)
+        update["seconds"] = max(phase_end - time.monotonic(), 0.0)
+        _call(client.update_weights, (update,), "update_weights", phase_end)
+    except Exception as exc:
+        round_.suspect = True
+        problems.append(_said(exc))
+    return True
+
+
+def _close_sessions(
+    round_: Round, version: int | None, deadline: float, problems: list[str]
+) -> bool:
+    """``finish_weight_update`` on every engine; the new weight version only on
+    commit (``version``). False if the call failed or did not return in time (on
+    an abort that is no news: an engine whose worker raised in phase one has
+    ended that worker's session already, and vLLM refuses to finish it again)."""
+    try:
+        weight_version = None if version is None else str(version)
+        _call(round_.client.finish_weight_update, (weight_version,), "finish", deadline)
+        return True
+    except Exception as exc:
+        round_.suspect = True
+        if version is not None:
+            problems.append(_said(exc))
+        else:
+            log.info("raydirect: finish_weight_update after an abort: %s", _said(exc))
+        return False
+
+
+def _call(fn: Callable[..., Any], args: tuple[Any, ...], what: str, deadline: float) -> None:
+    """``fn(*args)`` (a client call), raising ``TimeoutError`` naming ``what``
+    if it has not returned by ``deadline``; the call itself cannot be cancelled
+    and goes on in its thread."""
+    outcome: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn(*args)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=run, name=f"raydirect-vllm-{what}", daemon=True)
+    thread.start()
+    thread.join(max(deadline - time.monotonic(), 0.0))
+    if thread.is_alive():
+        raise TimeoutError(
+            f"the engines' {what} call did not return within the update's deadline "
+            "(RaydirectTrainerInitInfo.timeout): an engine does not answer"
+        )
+    if outcome:
+        raise outcome[0]
+
+
+def _said(exc: BaseException) -> str:
+    """What an engine's error says: a worker's error arrives wrapped by vLLM's RPC
+    and Ray (or in an HTTP answer), its raydirect line is the one to show."""
+    said = str(exc).strip().splitlines()
+    body = getattr(getattr(exc, "response", None), "text", None)
+    if isinstance(body, str):
+        said += body.replace("\\n", "\n").splitlines()
+    last = said[-1] if said else ""
+    cause = next((line for line in reversed(said) if "raydirect" in line), last)
+    return f"{type(exc).__name__}: {cause.strip()}"
+
+
+def _grouped(workers: dict[str, dict[str, Any]], errors: dict[str, str]) -> list[str]:
+    """One line per distinct error, naming the workers that said it."""
+    by_error: dict[str, list[str]] = defaultdict(list)
+    for worker, error in errors.items():
+        by_error[error].append(str(workers.get(worker, {}).get("label", worker)))
+    return [f"{', '.join(sorted(labels))}: {error}" for error, labels in by_error.items()]
+
+
+def _reported(reports: dict[str, Any]) -> list[str]:
+    said = {w: e for w, e in reports["said"].items() if e}
+    return _grouped(reports["workers"], said)
+
+
+def _unreported(reports: dict[str, Any], phase: str, seconds: float) -> list[str]:
+    missing = {w: "" for w in reports["workers"] if w not in reports["said"]}
+    within = f" within {seconds:.1f} s" if seconds else ""
+    return [
+        f"{line.rstrip(': ')} did not finish the {phase} phase{within}"
+        for line in _grouped(reports["workers"], missing)
+    ]
+
+
+def _listed(problems: list[str]) -> str:
+    more = f" (and {len(problems) - _SHOWN} more)" if len(problems) > _SHOWN else ""
+    return "; ".join(problems[:_SHOWN]) + more
+
+
+def _not_applied(version: int, problems: list[str]) -> str:
+    return (
+        f"version {version} was not applied: {_listed(problems)}. No engine loaded it: "
+        "the engines keep serving the weights they held before this update, and their "
+        "weight version is unchanged"
+    )
+
+
+def _partly_applied(version: int, failed: list[str]) -> str:
+    return (
+        f"version {version} was committed, but loading it failed: {_listed(failed)}. "
+        "The engines named hold a mix of their previous weights and version "
+        f"{version} (the layers loaded before the failure hold version {version}) and "
+        f"report weight version {version}; every other engine applied it. The next "
+        "update loads every layer again"
+    )

@@ -1,0 +1,231 @@
+"""All or nothing, across every worker of every engine, against real vLLM engines:
+a refusal by any worker of any engine leaves every engine serving what it had
+(log-probs equal Hugging Face's on the previous weights, weight version
+unchanged, no vLLM update session left open), the next update from a new trainer
+lands, nothing reads the trainer's tensors once ``send_weights`` has raised, a
+hung engine is named within the deadline, and an engine restarted between
+updates takes the next one.
+
+Two engines of their own: a tensor-parallel-2 one on the tiny Llama and a
+tensor-parallel-1 one on a tied-embeddings Llama (it accepts an update without
+``lm_head.weight``, which the other refuses)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import ray
+import torch
+from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
+from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
+from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+from vllm_harness import (
+    LOGPROB_TOLERANCE,
+    DictSource,
+    hf_prompt_logprobs,
+    max_difference,
+    prompt,
+    random_llama,
+    save_llama,
+    start_engine,
+    state_of,
+)
+
+import raydirect as rd
+from raydirect.vllm import RaydirectTrainerInitInfo
+
+from helpers import wait_for
+
+IDS = prompt(24, 7)
+TIED = {"tie_word_embeddings": True}
+DOWN = "model.layers.1.mlp.down_proj.weight"  # row-parallel: cut along dim 1 at TP 2
+
+
+@pytest.fixture(scope="module")
+def tp2(ray_session: None, tiny_llama: Any) -> Iterator[Any]:
+    actor = start_engine(
+        tiny_llama[0], tensor_parallel_size=2, weight_transfer_config={"backend": "raydirect"}
+    )
+    yield actor
+    ray.kill(actor)
+
+
+@pytest.fixture(scope="module")
+def tied(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    path = tmp_path_factory.mktemp("tied-llama")
+    save_llama(path, seed=0, **TIED)
+    actor = start_engine(path, restarts=1, weight_transfer_config={"backend": "raydirect"})
+    yield actor
+    ray.kill(actor, no_restart=True)
+
+
+def _trainer(engines: list[Any], source: WeightSource, timeout: float = 120) -> Any:
+    return WeightTransferTrainerFactory.trainer_init(
+        RaydirectTrainerInitInfo(rank=0, timeout=timeout),
+        client=RayVLLMWeightSyncClient(engines),
+        source=source,
+    )
+
+
+def _serves(engine: Any, state: dict[str, torch.Tensor], **config: Any) -> float:
+    got = ray.get(engine.prompt_logprobs.remote(IDS), timeout=120)
+    return max_difference(got, hf_prompt_logprobs(state, IDS, **config))
+
+
+def _tied_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with its head its embedding (a copy of it), as a tied model's."""
+    return {**state, "lm_head.weight": state["model.embed_tokens.weight"].clone()}
+
+
+def _sessions_open(engine: Any) -> list[bool]:
+    def read(worker: Any) -> bool:
+        return bool(worker._weight_update_active)
+
+    return ray.get(engine.collective_rpc.remote(read), timeout=60)
+
+
+def _version(engine: Any) -> str:
+    return ray.get(engine.get_weight_version.remote(), timeout=60)
+
+
+def _stepped(model: torch.nn.Module, by: float) -> dict[str, torch.Tensor]:
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(by)
+    return state_of(model)
+
+
+@pytest.mark.parametrize("columns", [8, -8], ids=["wider", "narrower"])
+def test_a_tensor_of_the_wrong_global_shape_is_refused_by_every_worker(
+    tp2: Any, columns: int
+) -> None:
+    """Only the last tensor-parallel worker's slice sees the end of the cut: the
+    refusal is still the whole engine's, both workers keep the previous weights."""
+    good = random_llama(seed=51)
+    trainer = _trainer([tp2], ModuleSource(good))
+    trainer.send_weights()
+    before = _stepped(good, 1.01)
+    trainer.send_weights()
+    assert _version(tp2) == "2"
+    bent = _stepped(good, 1.5)
+    bent[DOWN] = torch.randn(bent[DOWN].shape[0], bent[DOWN].shape[1] + columns)
+    bad = _trainer([tp2], DictSource(bent))
+    with pytest.raises(rd.WeightSyncError, match="down_proj") as info:
+        bad.send_weights()
+    assert "was not applied" in str(info.value) and "keep serving" in str(info.value)
+    assert _serves(tp2, before) < LOGPROB_TOLERANCE  # both workers: the previous weights
+    assert _version(tp2) == "2"
+    assert _sessions_open(tp2) == [False, False]
+    fresh = random_llama(seed=52)
+    _trainer([tp2], ModuleSource(fresh)).send_weights()  # a new trainer's update lands
+    assert _serves(tp2, state_of(fresh)) < LOGPROB_TOLERANCE
+    assert _version(tp2) == "1"
+
+
+def test_one_refusing_engine_and_nothing_read_after_the_raise(tp2: Any, tied: Any) -> None:
+    """Two engines in one client, on a trainer whose head is its embedding: the
+    untied engine refuses an update without ``lm_head.weight`` at once, the tied
+    one would take it and is still reading then. Neither applies it; once
+    ``send_weights`` has raised no engine reads the trainer's tensors (they are
+    written in place right after); the next update to both lands."""
+    model = random_llama(seed=53, **TIED)
+    _trainer([tp2, tied], DictSource(_tied_state(state_of(model)))).send_weights()
+    before = _tied_state(state_of(model))
+    assert _serves(tp2, before) < LOGPROB_TOLERANCE
+    assert _serves(tied, before, **TIED) < LOGPROB_TOLERANCE
+    headless = {k: v for k, v in _stepped(model, 1.3).items() if k != "lm_head.weight"}
+    bad = _trainer([tp2, tied], DictSource(headless))
+    with pytest.raises(rd.WeightSyncError, match="lm_head") as info:
+        bad.send_weights()
+    assert "keep serving" in str(info.value)
+    for tensor in headless.values():  # no object holds them: nothing can read them
+        rd.wait_tensor_freed(tensor, timeout=0)
+        tensor.fill_(float("nan"))
+    assert _serves(tp2, before) < LOGPROB_TOLERANCE
+    assert _serves(tied, before, **TIED) < LOGPROB_TOLERANCE
+    assert [_version(e) for e in (tp2, tied)] == ["1", "1"]
+    assert _sessions_open(tp2) == [False, False] and _sessions_open(tied) == [False]
+    after = _tied_state(_stepped(model, 0.9))
+    _trainer([tp2, tied], DictSource(after)).send_weights()
+    assert _serves(tp2, after) < LOGPROB_TOLERANCE
+    assert _serves(tied, after, **TIED) < LOGPROB_TOLERANCE
+
+
+def test_a_session_left_open_by_a_dead_trainer_is_closed(tp2: Any) -> None:
+    """A trainer that opened the engine's update session and died: vLLM would
+    refuse every later start. A new trainer's init closes it."""
+    RayVLLMWeightSyncClient([tp2]).start_weight_update()  # ... and its trainer is gone
+    assert _sessions_open(tp2) == [True, True]
+    model = random_llama(seed=54)
+    _trainer([tp2], ModuleSource(model)).send_weights()
+    assert _serves(tp2, state_of(model)) < LOGPROB_TOLERANCE
+    assert _sessions_open(tp2) == [False, False]
+
+
+def test_a_name_no_rank_published_is_refused(tied: Any) -> None:
+    model = random_llama(seed=55, **TIED)
+    trainer = _trainer([tied], ModuleSource(model))
+    trainer.send_weights()
+    before = state_of(model)
+    norm = "model.norm.weight"
+    bad = _trainer([tied], DictSource(_stepped(model, 2.0), unpublished=(norm,)))
+    with pytest.raises(rd.WeightSyncError, match=f"{norm}.*no trainer rank published"):
+        bad.send_weights()
+    assert _serves(tied, _tied_state(before), **TIED) < LOGPROB_TOLERANCE
+
+
+def test_a_casting_dtype_is_accepted_and_exact(tied: Any) -> None:
+    """float64 trainer tensors into a float32 engine: vLLM's loaders cast, so does
+    the update (those layers go through their loaders)."""
+    model = random_llama(seed=56, **TIED)
+    state = {k: v.double() for k, v in state_of(model).items()}
+    _trainer([tied], DictSource(state)).send_weights()
+    want = {k: v.float() for k, v in state.items()}
+    assert _serves(tied, _tied_state(want), **TIED) < LOGPROB_TOLERANCE
+
+
+def test_a_hung_engine_is_named_within_the_deadline(tied: Any) -> None:
+    """An engine busy in a long call does not answer the update: ``send_weights``
+    raises within its timeout naming the call, and the engine takes the next one."""
+
+    def busy(worker: Any) -> None:
+        import time
+
+        time.sleep(12)
+
+    model = random_llama(seed=57, **TIED)
+    trainer = _trainer([tied], ModuleSource(model), timeout=6)
+    trainer.send_weights()
+    hold = tied.collective_rpc.remote(busy)
+    started = time.monotonic()
+    with pytest.raises(rd.WeightSyncError, match="start_weight_update call did not return"):
+        trainer.send_weights()
+    assert time.monotonic() - started < 6 + 2.0
+    ray.get(hold, timeout=60)
+    wait_for(lambda: _sessions_open(tied) == [False], timeout=60, what="the session closed")
+    after = _stepped(model, 1.1)
+    trainer.send_weights()  # the same trainer: it initialises the engine again first
+    assert _serves(tied, _tied_state(after), **TIED) < LOGPROB_TOLERANCE
+
+
+def test_an_engine_restarted_between_updates_takes_the_next(tied: Any) -> None:
+    model = random_llama(seed=58, **TIED)
+    trainer = _trainer([tied], ModuleSource(model))
+    trainer.send_weights()
+    ray.kill(tied, no_restart=False)  # Ray starts it again: a new engine, no init
+    wait_for(
+        lambda: _version_or_none(tied) is not None, timeout=300, what="the engine restarted"
+    )
+    after = _stepped(model, 1.2)
+    trainer.send_weights()
+    assert _serves(tied, _tied_state(after), **TIED) < LOGPROB_TOLERANCE
+
+
+def _version_or_none(engine: Any) -> str | None:
+    try:
+        return ray.get(engine.get_weight_version.remote(), timeout=10)
+    except (ray.exceptions.RayError, TimeoutError):
+        return None
