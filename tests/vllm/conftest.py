@@ -40,3 +40,17 @@ def plain_engine(ray_session: None, tiny_llama: tuple[Path, dict[str, Any]]) -> 
     actor = start_engine(tiny_llama[0])
     yield actor
     ray.kill(actor)
+
+
+@pytest.fixture(scope="session")
+def tp2_engine(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """A tensor-parallel-2 engine on a tiny Llama, shared by every module that
+    needs one (it starts two workers: the costliest engine here). Tests compare
+    it with the trainer's weights they send, never with its starting ones."""
+    path = tmp_path_factory.mktemp("tp2-llama")
+    save_llama(path)
+    actor = start_engine(
+        path, tensor_parallel_size=2, weight_transfer_config={"backend": "raydirect"}
+    )
+    yield actor
+    ray.kill(actor)

@@ -12,6 +12,8 @@ tensor-parallel-1 one on a tied-embeddings Llama (it accepts an update without
 
 from __future__ import annotations
 
+import socket
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +21,7 @@ from typing import Any
 import pytest
 import ray
 import torch
+from ray import cloudpickle
 from vllm.distributed.weight_transfer.base import ModuleSource, WeightSource
 from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
@@ -39,18 +42,11 @@ from raydirect.vllm import RaydirectTrainerInitInfo
 
 from helpers import wait_for
 
+# Ray's workers cannot import the tests directory: the impostor actor goes by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 IDS = prompt(24, 7)
 TIED = {"tie_word_embeddings": True}
 DOWN = "model.layers.1.mlp.down_proj.weight"  # row-parallel: cut along dim 1 at TP 2
-
-
-@pytest.fixture(scope="module")
-def tp2(ray_session: None, tiny_llama: Any) -> Iterator[Any]:
-    actor = start_engine(
-        tiny_llama[0], tensor_parallel_size=2, weight_transfer_config={"backend": "raydirect"}
-    )
-    yield actor
-    ray.kill(actor)
 
 
 @pytest.fixture(scope="module")
@@ -100,69 +96,69 @@ def _stepped(model: torch.nn.Module, by: float) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("columns", [8, -8], ids=["wider", "narrower"])
 def test_a_tensor_of_the_wrong_global_shape_is_refused_by_every_worker(
-    tp2: Any, columns: int
+    tp2_engine: Any, columns: int
 ) -> None:
     """Only the last tensor-parallel worker's slice sees the end of the cut: the
     refusal is still the whole engine's, both workers keep the previous weights."""
     good = random_llama(seed=51)
-    trainer = _trainer([tp2], ModuleSource(good))
+    trainer = _trainer([tp2_engine], ModuleSource(good))
     trainer.send_weights()
     before = _stepped(good, 1.01)
     trainer.send_weights()
-    assert _version(tp2) == "2"
+    assert _version(tp2_engine) == "2"
     bent = _stepped(good, 1.5)
     bent[DOWN] = torch.randn(bent[DOWN].shape[0], bent[DOWN].shape[1] + columns)
-    bad = _trainer([tp2], DictSource(bent))
+    bad = _trainer([tp2_engine], DictSource(bent))
     with pytest.raises(rd.WeightSyncError, match="down_proj") as info:
         bad.send_weights()
     assert "was not applied" in str(info.value) and "keep serving" in str(info.value)
-    assert _serves(tp2, before) < LOGPROB_TOLERANCE  # both workers: the previous weights
-    assert _version(tp2) == "2"
-    assert _sessions_open(tp2) == [False, False]
+    assert _serves(tp2_engine, before) < LOGPROB_TOLERANCE  # both workers: the previous weights
+    assert _version(tp2_engine) == "2"
+    assert _sessions_open(tp2_engine) == [False, False]
     fresh = random_llama(seed=52)
-    _trainer([tp2], ModuleSource(fresh)).send_weights()  # a new trainer's update lands
-    assert _serves(tp2, state_of(fresh)) < LOGPROB_TOLERANCE
-    assert _version(tp2) == "1"
+    _trainer([tp2_engine], ModuleSource(fresh)).send_weights()  # a new trainer's update lands
+    assert _serves(tp2_engine, state_of(fresh)) < LOGPROB_TOLERANCE
+    assert _version(tp2_engine) == "1"
 
 
-def test_one_refusing_engine_and_nothing_read_after_the_raise(tp2: Any, tied: Any) -> None:
+def test_one_refusing_engine_and_nothing_read_after_the_raise(tp2_engine: Any, tied: Any) -> None:
     """Two engines in one client, on a trainer whose head is its embedding: the
     untied engine refuses an update without ``lm_head.weight`` at once, the tied
     one would take it and is still reading then. Neither applies it; once
     ``send_weights`` has raised no engine reads the trainer's tensors (they are
     written in place right after); the next update to both lands."""
     model = random_llama(seed=53, **TIED)
-    _trainer([tp2, tied], DictSource(_tied_state(state_of(model)))).send_weights()
+    _trainer([tp2_engine, tied], DictSource(_tied_state(state_of(model)))).send_weights()
     before = _tied_state(state_of(model))
-    assert _serves(tp2, before) < LOGPROB_TOLERANCE
+    assert _serves(tp2_engine, before) < LOGPROB_TOLERANCE
     assert _serves(tied, before, **TIED) < LOGPROB_TOLERANCE
     headless = {k: v for k, v in _stepped(model, 1.3).items() if k != "lm_head.weight"}
-    bad = _trainer([tp2, tied], DictSource(headless))
+    bad = _trainer([tp2_engine, tied], DictSource(headless))
     with pytest.raises(rd.WeightSyncError, match="lm_head") as info:
         bad.send_weights()
     assert "keep serving" in str(info.value)
     for tensor in headless.values():  # no object holds them: nothing can read them
         rd.wait_tensor_freed(tensor, timeout=0)
         tensor.fill_(float("nan"))
-    assert _serves(tp2, before) < LOGPROB_TOLERANCE
+    assert _serves(tp2_engine, before) < LOGPROB_TOLERANCE
     assert _serves(tied, before, **TIED) < LOGPROB_TOLERANCE
-    assert [_version(e) for e in (tp2, tied)] == ["1", "1"]
-    assert _sessions_open(tp2) == [False, False] and _sessions_open(tied) == [False]
+    assert [_version(e) for e in (tp2_engine, tied)] == ["1", "1"]
+    assert _sessions_open(tp2_engine) == [False, False] and _sessions_open(tied) == [False]
     after = _tied_state(_stepped(model, 0.9))
-    _trainer([tp2, tied], DictSource(after)).send_weights()
-    assert _serves(tp2, after) < LOGPROB_TOLERANCE
+    _trainer([tp2_engine, tied], DictSource(after)).send_weights()
+    assert _serves(tp2_engine, after) < LOGPROB_TOLERANCE
     assert _serves(tied, after, **TIED) < LOGPROB_TOLERANCE
 
 
-def test_a_session_left_open_by_a_dead_trainer_is_closed(tp2: Any) -> None:
+def test_a_session_left_open_by_a_dead_trainer_is_closed(tp2_engine: Any) -> None:
     """A trainer that opened the engine's update session and died: vLLM would
     refuse every later start. A new trainer's init closes it."""
-    RayVLLMWeightSyncClient([tp2]).start_weight_update()  # ... and its trainer is gone
-    assert _sessions_open(tp2) == [True, True]
+    RayVLLMWeightSyncClient([tp2_engine]).start_weight_update()  # ... and its trainer is gone
+    assert _sessions_open(tp2_engine) == [True, True]
     model = random_llama(seed=54)
-    _trainer([tp2], ModuleSource(model)).send_weights()
-    assert _serves(tp2, state_of(model)) < LOGPROB_TOLERANCE
-    assert _sessions_open(tp2) == [False, False]
+    _trainer([tp2_engine], ModuleSource(model)).send_weights()
+    assert _serves(tp2_engine, state_of(model)) < LOGPROB_TOLERANCE
+    assert _sessions_open(tp2_engine) == [False, False]
 
 
 def test_a_name_no_rank_published_is_refused(tied: Any) -> None:
@@ -229,3 +225,98 @@ def _version_or_none(engine: Any) -> str | None:
         return ray.get(engine.get_weight_version.remote(), timeout=10)
     except (ray.exceptions.RayError, TimeoutError):
         return None
+
+
+# ---------------------------------------------------------------- the control path
+
+
+class _Bomb:
+    """Unpickling one writes a file: what an impostor's reply would do in a worker."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> Any:
+        return (open, (self.marker, "w"))
+
+
+@ray.remote(num_cpus=0)
+class Impostor:
+    """An actor under a mailbox's name, answering every call with a bomb."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def ranks(self) -> Any:
+        return _Bomb(self.marker)
+
+    def take(self, *args: Any) -> Any:
+        return _Bomb(self.marker)
+
+    def join(self, *args: Any) -> Any:
+        return _Bomb(self.marker)
+
+
+def _init_info(**changes: Any) -> Any:
+    from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
+
+    context = ray.get_runtime_context()
+    info = {
+        "name": "raydirect-vllm",
+        "namespace": context.namespace,
+        "address": context.gcs_address,
+        "node": context.get_node_id(),
+        "timeout": 30.0,
+        **changes,
+    }
+    return WeightTransferInitRequest(init_info=info)
+
+
+def _refused(engine: Any, request: Any, said: str) -> None:
+    with pytest.raises(ray.exceptions.RayTaskError, match=said):
+        ray.get(engine.init_weight_transfer_engine.remote(request), timeout=120)
+
+
+def _still_updates(engine: Any, seed: int) -> None:
+    """A real trainer's update lands: no refused call left a reply queued."""
+    model = random_llama(seed=seed)
+    _trainer([engine], ModuleSource(model)).send_weights()
+    assert _serves(engine, state_of(model)) < LOGPROB_TOLERANCE
+
+
+def test_a_foreign_cluster_or_namespace_is_refused_before_any_connection(
+    tp2_engine: Any,
+) -> None:
+    with socket.socket() as listener:  # where the foreign init info points
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+        foreign = _init_info(address=address, node="ab" * 28)
+        _refused(tp2_engine, foreign, "not in this engine's Ray cluster")
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected to it
+    _refused(tp2_engine, _init_info(namespace="elsewhere"), "namespace 'elsewhere'")
+    _still_updates(tp2_engine, seed=60)
+
+
+def test_an_impostor_mailbox_never_gets_its_reply_unpickled(
+    tp2_engine: Any, tmp_path: Any
+) -> None:
+    marker = tmp_path / "pwned"
+    impostor = Impostor.options(name="impostor").remote(str(marker))  # type: ignore[attr-defined]
+    ray.get(impostor.__ray_ready__.remote())
+    _refused(tp2_engine, _init_info(name="impostor"), "not a raydirect trainer mailbox")
+    # ... nor through an update that carries the init info (an engine that lost its init)
+    ray.get(tp2_engine.shutdown_weight_transfer_engine.remote(), timeout=60)
+    client = RayVLLMWeightSyncClient([tp2_engine])
+    client.start_weight_update()
+    update = {"version": 1, "ranks": 1, "names": [], "dtype_names": [], "shapes": []}
+    update["trainer"] = _init_info(name="impostor").init_info
+    with pytest.raises(ray.exceptions.RayTaskError, match="not a raydirect trainer mailbox"):
+        client.update_weights(update)
+    with pytest.raises(ray.exceptions.RayTaskError):  # the worker that raised ended its session
+        client.finish_weight_update()
+    assert not marker.exists()
+    ray.kill(impostor)
+    _still_updates(tp2_engine, seed=61)

@@ -65,15 +65,6 @@ def _last_updates(engine: Any) -> list[dict[str, Any]]:
     return ray.get(engine.collective_rpc.remote(read), timeout=60)
 
 
-@pytest.fixture(scope="module")
-def tp2_engine(ray_session: None, tiny_llama: Any) -> Iterator[Any]:
-    actor = start_engine(
-        tiny_llama[0], tensor_parallel_size=2, weight_transfer_config={"backend": "raydirect"}
-    )
-    yield actor
-    ray.kill(actor)
-
-
 def test_repeated_updates_match_hugging_face(engine: Any) -> None:
     model = random_llama(seed=11)
     trainer = _trainer([engine], ModuleSource(model))

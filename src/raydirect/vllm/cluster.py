@@ -13,8 +13,10 @@ So a worker
   actor) on to the processes vLLM starts, through those two variables;
 * refuses, before it connects to anything, a trainer outside that cluster (its
   node is none of the cluster's nodes) or in another namespace;
-* talks only to an actor of raydirect's ``Mailbox`` class under the given
-  name: nothing a request carries makes it unpickle another actor's reply.
+* talks only to an actor of raydirect's ``RaydirectMailbox`` class under the
+  given name: nothing a request carries makes it unpickle another actor's reply
+  (an actor of that class name can only be made by a member of the cluster,
+  who is trusted anyway).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import ray
 import raydirect as rd
 
 ADDRESS, NAMESPACE = "RAY_ADDRESS", "RAY_NAMESPACE"
-_MAILBOX = "Mailbox"  # the class a trainer's mailbox actor is made of (mailbox.py)
+_MAILBOX = "RaydirectMailbox"  # the class a trainer's mailbox actor is made of (mailbox.py)
 
 
 @dataclass(frozen=True)
@@ -115,7 +117,7 @@ def mailbox(trainer: Trainer, namespace: str) -> Any:
             f"raydirect: no trainer mailbox {trainer.name!r} in Ray namespace "
             f"{namespace!r}: is the trainer's trainer_init running?"
         ) from None
-    # An actor handle's repr names the class it was made of ("Actor(Mailbox, id)");
+    # An actor handle's repr names the class it was made of ("Actor(Class, id)");
     # reading it makes no call, so an impostor's reply is never unpickled.
     if not repr(actor).startswith(f"Actor({_MAILBOX},"):
         raise rd.WeightSyncError(

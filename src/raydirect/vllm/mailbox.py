@@ -100,7 +100,7 @@ class _Version:
 
 
 @ray.remote(num_cpus=0, concurrency_groups={"writes": 8, "waits": WAITS})  # type: ignore[call-overload]
-class Mailbox:
+class RaydirectMailbox:
     """Versions' handles by rank, the workers taking part, their reports, rank
     0's decision and each version's outcome (see the module docstring)."""
 
@@ -208,6 +208,10 @@ class Mailbox:
             self._changes.notify()
 
     # ------------------------------------------------------------------ reads
+
+    def waiting(self) -> int:
+        """How many calls wait in the mailbox now."""
+        return self._waiting
 
     def decision(self, version: int) -> str:
         """``"commit"``, ``"abort"``, or ``""`` if rank 0 has not decided."""

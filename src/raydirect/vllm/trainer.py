@@ -28,7 +28,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 import raydirect as rd
-from raydirect.vllm.mailbox import Mailbox
+from raydirect.vllm.mailbox import RaydirectMailbox
 from raydirect.vllm.plugin import BACKEND
 from raydirect.vllm.rounds import Round, drive, reserve_for_closing
 from raydirect.vllm.sources import ShardedModuleSource
@@ -80,7 +80,7 @@ def _mailbox_at_rank0(name: str, ranks: int) -> Any:
     it goes when rank 0 does: nothing is left behind."""
     with contextlib.suppress(ValueError):  # none yet
         ray.kill(ray.get_actor(name))
-    return Mailbox.options(name=name).remote(ranks)  # type: ignore[attr-defined]
+    return RaydirectMailbox.options(name=name).remote(ranks)  # type: ignore[attr-defined]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
