@@ -155,8 +155,6 @@ def _bent(model: torch.nn.Module, how: str) -> dict[str, torch.Tensor]:
         del state[name]
     elif how == "shape":
         state[name] = torch.zeros(state[name].shape[0], state[name].shape[1] + 8)
-    elif how == "dtype":
-        state[name] = state[name].double()
     return state
 
 
@@ -166,7 +164,6 @@ def _bent(model: torch.nn.Module, how: str) -> dict[str, torch.Tensor]:
         ("extra", "extra_proj"),
         ("missing", "filled by no published tensor"),
         ("shape", "down_proj"),
-        ("dtype", "float64"),
     ],
 )
 def test_a_refused_update_names_it_and_the_engine_keeps_serving(

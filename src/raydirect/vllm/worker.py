@@ -45,7 +45,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 )
 
 import raydirect as rd
-from raydirect.vllm.landing import survey
+from raydirect.vllm.landing import survey, unread_problems
 from raydirect.vllm.staging import Receiver
 
 log = logging.getLogger(__name__)
@@ -241,10 +241,14 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
                 (n, getattr(torch, d), tuple(s))
                 for n, d, s in zip(update.names, update.dtype_names, update.shapes, strict=True)
             ]
-            plan = survey(self.model, published, _tensor_parallel())
-            if plan.problems:
-                shown = "; ".join(plan.problems[:_SHOWN])
-                more = len(plan.problems) - _SHOWN
+            plan = survey(self.model, published)
+            problems = plan.problems
+            if _tensor_parallel()[1] == 1:  # with more ranks it takes all their reads
+                shapes = {name: shape for name, _dtype, shape in published}
+                problems = problems + unread_problems(shapes, [plan.reads])
+            if problems:
+                shown = "; ".join(problems[:_SHOWN])
+                more = len(problems) - _SHOWN
                 raise rd.WeightSyncError(
                     f"raydirect: version {update.version} does not fit the engine's model: "
                     f"{shown}{f' (and {more} more)' if more > 0 else ''}; the model is untouched"
