@@ -90,7 +90,7 @@ def drive(
     """One version's round trip; ``""`` if every engine applied it, else what
     went wrong and what the engines hold now."""
     dtype = round_.dtype
-    update = {
+    update: dict[str, Any] = {
         "version": version,
         "ranks": round_.ranks,
         "names": [m.name for m in meta],
@@ -109,7 +109,7 @@ def drive(
     if not problems:  # else it is an abort already: the workers still receiving drop it
         wait = max(phase_end - time.monotonic(), 0.0)
         first = ray.get(mailbox.reports.remote(version, "received", wait), timeout=wait + _SLACK)
-        problems += _unreported(first, "receive", float(update.get("seconds", 0.0)))
+        problems += _unreported(first, "receive", update.get("seconds", 0.0))
         problems += _reported(first)
     commit = not problems
     ray.get(mailbox.decide.remote(version, commit), timeout=_SLACK)
