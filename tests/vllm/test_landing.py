@@ -360,3 +360,49 @@ def test_unread_problems_take_every_ranks_reads() -> None:
     assert len(problems) == 1 and problems[0].startswith("'wide'"), problems
     assert "(8, 4)" in problems[0] and "[0, 6) of dim 0" in problems[0]
     assert not unread_problems(shapes, reads[:1] + [{"wide": ((3, 0), (5, 4))}, reads[1]])
+
+
+_kept: list[torch.Tensor] = []
+
+
+def _keeping(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """A loader that holds on to what it was given, as the tensor itself or as a
+    view of its memory (vLLM's CPU Zen path without prepacking keeps
+    ``weight.detach()`` in its linear's closure). It adds zero, so its layer is
+    loaded, not landed: the loader runs on the receiver's memory."""
+    param.data.copy_(loaded + 0)
+    _kept.append(loaded if len(_kept) % 2 else loaded.detach())
+
+
+class _Keeper(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = _Layer(3, _keeping)
+
+    def load_weights(self, weights: Any) -> None:
+        for _name, tensor in weights:
+            self.layer.weight.weight_loader(self.layer.weight, tensor)
+
+
+def test_memory_the_model_keeps_is_never_received_into_again(ray_session: None) -> None:
+    """The load says when the model holds on to the receiver's memory: that memory
+    is then the engine's, and the worker drops the receiver rather than write the
+    next version where the engine may read."""
+    keeper, plain = _Keeper(), _Toy()
+    for model in (keeper, plain):
+        record_metadata_for_reloading(model)
+    published = {"w": torch.randn(3, 4)}
+    layout = [("w", torch.float32, (3, 4))]
+    publisher = rd.WeightPublisher(published, depth=1)
+    for version in (1, 2):  # a view of its memory, then the tensor itself
+        receiver = Receiver(layout, survey(keeper, layout))
+        receiver.receive([publisher.publish(version)], timeout=60)
+        assert not load(keeper, None, receiver)
+        assert torch.equal(keeper.layer.weight, published["w"])
+    _kept.clear()
+    toy_layout = [("fused_a", torch.float32, (2, 4)), ("fused_b", torch.float32, (4, 4)),
+                  ("scaled", torch.float32, (3, 4))]  # fmt: skip
+    toy_published = {n: torch.randn(s) for n, _d, s in toy_layout}
+    toy_receiver = Receiver(toy_layout, survey(plain, toy_layout))
+    toy_receiver.receive([rd.WeightPublisher(toy_published, depth=1).publish(1)], timeout=60)
+    assert load(plain, None, toy_receiver)  # nothing kept: the receiver is reused

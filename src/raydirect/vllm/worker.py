@@ -27,6 +27,7 @@ from __future__ import annotations
 import gc
 import logging
 import secrets
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -332,13 +333,12 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         self._mailbox, self._trainer = None, None
 
 
-def _uses(tensors: list[torch.Tensor]) -> dict[int, int]:
-    """How many tensors (and other holders) share each storage of ``tensors``."""
-    out = {}
-    for t in tensors:
-        cdata = t.untyped_storage()._cdata
-        out[cdata] = torch._C._storage_Use_Count(cdata)
-    return out
+def _holders(receiver: Receiver) -> list[int]:
+    """How many hold each storage the receiver writes (tensors sharing it, a
+    detached view in a processed layer's closure) and each tensor it hands the
+    loaders (a loader may keep the very tensor it was given)."""
+    storages = [torch._C._storage_Use_Count(t.untyped_storage()._cdata) for t in receiver.memory()]
+    return storages + [sys.getrefcount(t) for t in receiver.whole.values()]
 
 
 def load(model: torch.nn.Module, model_config: Any, receiver: Receiver) -> bool:
@@ -348,8 +348,7 @@ def load(model: torch.nn.Module, model_config: Any, receiver: Receiver) -> bool:
     landed tensor, as vLLM's CPU Zen path without prepacking does, or a loader
     that kept a staging tensor): that memory is the engine's now, and the next
     update must not write it while the engine serves."""
-    memory = receiver.memory()
-    before = _uses(memory)
+    before = _holders(receiver)
     initialize_layerwise_reload(model)
     try:
         for layer_name, tensors in receiver.landed.items():
@@ -362,8 +361,7 @@ def load(model: torch.nn.Module, model_config: Any, receiver: Receiver) -> bool:
         method = getattr(layer, "quant_method", None)
         if method is not None:
             method.process_weights_after_loading(layer)
-    after = _uses(memory)
-    return all(after[k] <= n for k, n in before.items())
+    return all(a <= b for a, b in zip(_holders(receiver), before, strict=True))
 
 
 def _process_landed(layer: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> None:
