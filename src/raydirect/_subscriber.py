@@ -134,6 +134,8 @@ class WeightSubscriber:
     holds the whole tensor) or ``(dim, start, stop)`` (the slice it holds); a
     DTensor target holds the local shard its placements say, with no ``shard``.
     ``strict`` requires the names to match exactly (else the common ones load).
+    Target tensors may lie on another device than the published ones, or on
+    several (``_assembly`` routes each).
     """
 
     def __init__(self, target: Any, *, shard: Shard | None = None, strict: bool = True) -> None:
@@ -156,7 +158,9 @@ class WeightSubscriber:
 
         Refused before a byte moves (``WeightSyncError`` naming the tensor, ending
         "nothing was written") when the version is not newer, the ranks' versions
-        differ, or the handles do not fit the target. A transfer that fails midway
+        differ, the handles do not fit the target, or no read reaches a target's
+        device in this process (a target on meta; CUDA weights where no GPU is
+        seen). A transfer that fails midway
         raises ``WeightSyncError`` (the cause chained): the target may then be
         partly written, and ``sub.version`` stays.
         """
