@@ -134,10 +134,27 @@ def _on(
     straight into host memory), new tensors there: one copy, no staging."""
     if device is None or device.type == _arena_device(name, payload):
         return into
-    cls = transport_class(name)
-    if device.type not in (cls.receive_devices or cls.devices):
+    if device.type not in _writable(transport_class(name)):
         return into  # received into the transport's own buffer, then copied over
     return {**make_targets(payload.metas, device, into), **into}
+
+
+def _writable(cls: type[Any]) -> frozenset[str]:
+    """The device types byte transport ``cls`` writes into: its ``devices`` and
+    its ``receive_devices``."""
+    return frozenset(cls.devices) | frozenset(cls.receive_devices)
+
+
+def writes_into(payload: Payload) -> frozenset[str] | None:
+    """The device types a ``fetch_ranges`` of ``payload`` in this process writes
+    its ranges into, over the transport it would choose now (``_writable``); None
+    where any device torch copies onto will do, the bytes being copied over from
+    where they are (the producer is this process, or a plug-in transport returns
+    its tensors). ``TransferError`` and friends as ``choose_transport`` raises."""
+    if payload.producer.process_token == _process.PROCESS_TOKEN:
+        return None
+    cls = transport_class(choose_transport(payload, None))
+    return _writable(cls) if cls.byte_transport else None
 
 
 def fetch_ranges(
@@ -276,6 +293,7 @@ def _read_bytes(
     producer = payload.producer
     same_node = producer.node_id == _ray.node_id()
     comm = PeerMetadata(producer, payload.capability, deadline, same_node, gate, payload.nbytes)
+    _check_writes(name, ranges)  # out here: the kernel's refusal alone means "not cma"
     try:
         try:
             with _writing(gate):
@@ -288,6 +306,7 @@ def _read_bytes(
                 "raydirect: cross-memory reads refused; using %r on this node", SAME_NODE_FALLBACK
             )
             name = SAME_NODE_FALLBACK
+            _check_writes(name, ranges)
             with _writing(gate):
                 _read(name, payload, comm, ranges)
     except ProducerLostError:
@@ -323,6 +342,24 @@ def _read(name: str, payload: Payload, comm: PeerMetadata, ranges: Ranges) -> No
     whole = [scratch[off : off + m.nbytes] for off, m in zip(offsets, metas, strict=True)]
     transport.read(payload.obj_id, extra, comm, Ranges.of_whole(whole))
     _copy_ranges(whole, ranges)
+
+
+def _check_writes(name: str, ranges: Ranges) -> None:
+    """Refuse ranges that transport ``name`` would write itself (whole reads, or
+    any read of a ``ranged`` one) where it cannot write (a read that fell back
+    from the transport its caller laid the ranges out for), before it writes:
+    host bytes written to a device address would corrupt or crash. The others
+    read into scratch memory of their own and copy the ranges out."""
+    cls = transport_class(name)
+    if ranges.devices is None or not (ranges.whole or getattr(cls, "ranged", False)):
+        return
+    writable = _writable(cls)
+    if not ranges.devices <= writable:
+        raise TransportUnavailableError(
+            f"{name!r} writes {'/'.join(sorted(writable))} memory, but these ranges land in "
+            f"{'/'.join(sorted(ranges.devices - writable))} memory; nothing was read: read "
+            "them into memory it writes, then copy them over"
+        )
 
 
 def _copy_ranges(sources: Sequence[Any], ranges: Ranges) -> None:

@@ -22,7 +22,9 @@ class Ranges:
     """Row ``i`` reads ``count[i]`` runs of ``length[i]`` bytes from tensor
     ``index[i]`` of the object (its flat bytes), the first run at byte
     ``offset[i]`` and each next ``stride[i]`` bytes on, into ``dests[i]`` (a flat
-    uint8 tensor of ``count[i] * length[i]`` bytes), back to back."""
+    uint8 tensor of ``count[i] * length[i]`` bytes), back to back. ``devices``:
+    the device types the ``dests`` lie on, where the caller says (a transport
+    that writes the ``dests`` itself must write there: the orchestration checks)."""
 
     index: np.ndarray
     offset: np.ndarray
@@ -31,6 +33,7 @@ class Ranges:
     stride: np.ndarray
     dests: Sequence[torch.Tensor]
     whole: bool = False  # one row per tensor of the object, in order, every byte
+    devices: frozenset[str] | None = None
 
     @classmethod
     def of_whole(cls, targets: Sequence[torch.Tensor]) -> Ranges:

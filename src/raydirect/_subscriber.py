@@ -3,27 +3,26 @@
 ``WeightSubscriber.load`` takes one handle, or one per rank of a sharded trainer,
 all of one version. Before a byte moves it checks them against the target
 (version, names, the ranks' agreement on each global shape and dtype, the boxes
-the ranks hold, the target's shapes, dtypes and devices), then reads straight
-into the target's tensors: no new tensors, parameters keep their identity, so an
-engine holding them sees the update.
+the ranks hold, the target's shapes and dtypes, and that its devices can be
+reached), then reads straight into the target's tensors: no new tensors,
+parameters keep their identity, so an engine holding them sees the update.
 
 Each target tensor is a box of its global tensor (the whole of it, a ``shard``
 slice, or a DTensor's local shard); each rank's handle says which boxes that rank
 holds (``_layouts``). The planner (``_plan``) intersects the two: only the
 intersections move, each from one rank that holds it, replicas spread over their
-owners, in runs as long as both layouts allow. Runs that land strided in the
-target and are short are read into scratch memory and copied over once (many
-small cross-memory reads cost more than the copy). The plan is made once per
-set of layouts and kept, so a steady loop pays for it once; all ranks are read
-at once, and a failure stops every read before ``load`` raises.
+owners, in runs as long as both layouts allow. Where each run lands is
+``_assembly``'s part: in the target where the transport writes its device, else
+in scratch memory copied over once (a CPU trainer's bytes bound for a GPU, short
+strided runs). The plan is made once per set of layouts and kept, so a steady
+loop pays for it once; all ranks are read at once, and a failure stops every
+read before ``load`` raises.
 """
 
 from __future__ import annotations
 
-import functools
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -33,7 +32,13 @@ import torch
 from raydirect import _boxes as boxes
 from raydirect import _plan as planner
 from raydirect import _process
-from raydirect._consumer import fetch_ranges, run_all
+from raydirect._assembly import (
+    Planned,
+    published_refusal,
+    read_all,
+    target_refusal,
+    usable_devices,
+)
 from raydirect._into import writable_bytes
 from raydirect._layouts import (
     Published,
@@ -45,16 +50,10 @@ from raydirect._layouts import (
     state_of,
 )
 from raydirect._payload import PendingFetch, check_usable_here, get_deferred
-from raydirect._ranges import ByteViews, Ranges
-from raydirect._tensors import allocate_bytes
 from raydirect.errors import RaydirectError, WeightSyncError
 
 Shard = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
 _SHOWN = 5  # problems listed in one error
-# Strided runs at least this long land straight in the target; shorter ones go to
-# scratch memory and are copied over once (a cross-memory read pays per run).
-_DIRECT_RUN = 64 << 10
-_PER_RANK = ("ranks", "rank_ptr")  # a Plan's columns that are not one value per row
 
 
 class _Targets:
@@ -129,93 +128,14 @@ def _places(source: Any, tensors: dict[str, torch.Tensor]) -> _Places | None:
     return containers, keys, holders
 
 
-@dataclass
-class _Load:
-    """A plan ready to run: per rank (its position in the handles), the ranges to
-    read; then the copies from scratch into the target (short strided runs)."""
-
-    reads: list[tuple[int, Ranges]]
-    copies: tuple[list[torch.Tensor], list[torch.Tensor]]  # (target views, scratch views)
-    scratch: torch.Tensor | None  # kept alive with the views into it
-
-    def finish(self) -> None:
-        if self.copies[0]:
-            with torch.no_grad():  # one call for every copy
-                torch._foreach_copy_(*self.copies)
-
-
-def _assembled(plan: planner.Plan, dests: list[torch.Tensor]) -> _Load:
-    """``plan``'s rows as ranges per rank, landing in ``dests`` (flat uint8 views of
-    the targets) directly, or in scratch for short strided runs."""
-    rows = {f.name: getattr(plan, f.name) for f in fields(plan) if f.name not in _PER_RANK}
-    strided = (rows["count"] > 1) & (rows["dest_stride"] != rows["length"])
-    split = strided & (rows["length"] >= _DIRECT_RUN)
-    if split.any():  # long strided runs: one row each, straight into the target
-        rows = _split_rows(rows, split)
-        strided = (rows["count"] > 1) & (rows["dest_stride"] != rows["length"])
-    nbytes = rows["length"] * rows["count"]
-    scratch_at = np.where(strided, np.cumsum(np.where(strided, nbytes, 0)) - nbytes, -1)
-    scratch = allocate_bytes(int(nbytes[strided].sum())) if strided.any() else None
-    pointers = np.fromiter((d.data_ptr() for d in dests), np.int64, len(dests))
-    addresses = pointers[rows["dest"]] + rows["dest_offset"]
-    if scratch is not None:
-        addresses = np.where(strided, scratch.data_ptr() + scratch_at, addresses)
-    copies: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-    for i in np.flatnonzero(strided).tolist():
-        flat, count, length = dests[rows["dest"][i]], int(rows["count"][i]), int(rows["length"][i])
-        at = flat.storage_offset() + int(rows["dest_offset"][i])
-        copies[0].append(flat.as_strided((count, length), (int(rows["dest_stride"][i]), 1), at))
-        start = int(scratch_at[i])
-        copies[1].append(scratch[start : start + count * length].view(count, length))  # type: ignore[index]
-
-    def view(i: int) -> torch.Tensor:
-        if strided[i]:
-            start = int(scratch_at[i])
-            return scratch[start : start + int(nbytes[i])]  # type: ignore[index]
-        at = int(rows["dest_offset"][i])
-        return dests[rows["dest"][i]][at : at + int(nbytes[i])]
-
-    reads = []
-    bounds = np.flatnonzero(boxes.run_flags(rows["rank"]))
-    for first, stop in zip(bounds.tolist(), [*bounds[1:].tolist(), len(nbytes)], strict=True):
-        picked = slice(first, stop)
-        ranges = Ranges(
-            rows["index"][picked],
-            rows["src_offset"][picked],
-            rows["length"][picked],
-            rows["count"][picked],
-            rows["src_stride"][picked],
-            ByteViews(addresses[picked], nbytes[picked], functools.partial(_shifted, view, first)),
-        )
-        reads.append((int(rows["rank"][first]), ranges))
-    return _Load(reads, copies, scratch)
-
-
-def _shifted(view: Callable[[int], torch.Tensor], first: int, i: int) -> torch.Tensor:
-    return view(first + i)
-
-
-def _split_rows(rows: dict[str, np.ndarray], split: np.ndarray) -> dict[str, np.ndarray]:
-    """``rows`` with each row marked in ``split`` turned into ``count`` single runs."""
-    times = np.where(split, rows["count"], 1)
-    row = np.repeat(np.arange(len(times)), times)
-    k = np.arange(len(row)) - np.repeat(np.cumsum(times) - times, times)
-    out = {name: column[row] for name, column in rows.items()}
-    was = split[row]
-    out["src_offset"] = out["src_offset"] + np.where(was, k * out["src_stride"], 0)
-    out["dest_offset"] = out["dest_offset"] + np.where(was, k * out["dest_stride"], 0)
-    out["count"] = np.where(was, 1, out["count"])
-    out["src_stride"] = np.where(was, out["length"], out["src_stride"])
-    out["dest_stride"] = np.where(was, out["length"], out["dest_stride"])
-    return out
-
-
 class WeightSubscriber:
     """Loads published versions into ``target`` (an ``nn.Module`` or a dict of
     tensors) in place. ``shard(name, global_shape)`` returns ``None`` (the target
     holds the whole tensor) or ``(dim, start, stop)`` (the slice it holds); a
     DTensor target holds the local shard its placements say, with no ``shard``.
     ``strict`` requires the names to match exactly (else the common ones load).
+    Target tensors may lie on another device than the published ones, or on
+    several (``_assembly`` routes each).
     """
 
     def __init__(self, target: Any, *, shard: Shard | None = None, strict: bool = True) -> None:
@@ -225,7 +145,7 @@ class WeightSubscriber:
                 f"shard must be a callable (name, global_shape) -> slice, got {shard!r}"
             )
         self._shard, self._strict = shard, bool(strict)
-        self._loads: dict[tuple[bytes, ...], _Load] = {}
+        self._plans: dict[tuple[bytes, ...], Planned] = {}
         # Spreads the replicas this worker reads over their owners (see _plan.plan).
         self._worker = int.from_bytes(_process.PROCESS_TOKEN[:4], "little")
         self.version: int | None = None
@@ -238,7 +158,9 @@ class WeightSubscriber:
 
         Refused before a byte moves (``WeightSyncError`` naming the tensor, ending
         "nothing was written") when the version is not newer, the ranks' versions
-        differ, or the handles do not fit the target. A transfer that fails midway
+        differ, the handles do not fit the target, or no read reaches a target's
+        device in this process (a target on meta; CUDA weights where no GPU is
+        seen). A transfer that fails midway
         raises ``WeightSyncError`` (the cause chained): the target may then be
         partly written, and ``sub.version`` stays.
         """
@@ -247,11 +169,18 @@ class WeightSubscriber:
         ranks = self._handles(handles, timeout)
         version = self._version_of(ranks)
         if self._targets.changed():
-            self._loads.clear()  # made for memory the target no longer uses
-        load = self._load_for(ranks)
+            self._plans.clear()  # made for memory the target no longer uses
+        planned = self._plan_for(ranks)
         payloads = self._payloads(ranks, deadline, version)
         try:
-            _read_all(load, payloads, deadline)
+            load = planned.load_for(payloads)  # how each rank is read here, now
+        except RaydirectError as exc:
+            raise WeightSyncError(
+                f"version {version} cannot be read here ({type(exc).__name__}: {exc}); nothing "
+                f"was written; sub.version stays {self.version}"
+            ) from exc
+        try:
+            read_all(load, payloads, deadline)
             load.finish()
         except (RaydirectError, ray.exceptions.RayError, TimeoutError) as exc:
             raise WeightSyncError(
@@ -316,16 +245,19 @@ class WeightSubscriber:
             )
         return version
 
-    def _load_for(self, ranks: list[WeightsHandle]) -> _Load:
+    def _plan_for(self, ranks: list[WeightsHandle]) -> Planned:
         key = tuple(h.layout_token for h in ranks)
-        load = self._loads.get(key)
-        if load is None:  # only now are the layouts decoded (see WeightsHandle)
-            load = self._make_load(tuple(h.layout for h in ranks))
-            self._loads = {key: load}  # one set of layouts at a time is what a loop uses
-        return load
+        planned = self._plans.get(key)
+        if planned is None:  # only now are the layouts decoded (see WeightsHandle)
+            planned = self._make_plan(tuple(h.layout for h in ranks))
+            self._plans = {key: planned}  # one set of layouts at a time is what a loop uses
+        return planned
 
-    def _make_load(self, layouts: tuple[WeightsLayout, ...]) -> _Load:
+    def _make_plan(self, layouts: tuple[WeightsLayout, ...]) -> Planned:
         published = Published.of(layouts)
+        refused = published_refusal(published.device, usable_devices())
+        if refused is not None:
+            raise WeightSyncError(f"{refused}; nothing was written")
         problems = self._name_problems(published)
         rows, dests, loaded = self._target_rows(published, problems)
         targets = boxes.Targets(*rows)
@@ -341,7 +273,7 @@ class WeightSubscriber:
                 f"the handles do not fit the target: {shown}{more}; nothing was written"
             )
         plan = planner.plan(published.index, targets, self._worker)
-        return _assembled(plan, dests)
+        return Planned(plan, dests, published.device)
 
     def _name_problems(self, published: Published) -> list[str]:
         targets = self._targets.tensors
@@ -366,12 +298,13 @@ class WeightSubscriber:
         destination, and the names loaded; what does not fit goes to ``problems``."""
         ndim = published.index.tensors.global_shape.shape[1]
         tensor, start, shape, dests, loaded = [], [], [], [], []
+        usable = usable_devices()
         for name, target in self._targets.tensors.items():
             t = published.number.get(name)
             if t is None:
                 continue
             try:
-                box = self._box(name, target, published, t)
+                box = self._box(name, target, published, t, usable)
             except WeightSyncError as exc:
                 problems.append(str(exc))
                 continue
@@ -390,9 +323,10 @@ class WeightSubscriber:
         return rows, dests, loaded
 
     def _box(
-        self, name: str, target: torch.Tensor, published: Published, t: int
+        self, name: str, target: torch.Tensor, published: Published, t: int, usable: frozenset[str]
     ) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The (start, shape) of the global tensor ``target`` holds, checked against it."""
+        """The (start, shape) of the global tensor ``target`` holds, checked against
+        it; ``usable``: the device types this process holds memory on."""
         full, dtype = published.global_shapes[t], published.dtypes[t]
         local = local_of(target)
         if is_dtensor(target):
@@ -414,9 +348,9 @@ class WeightSubscriber:
             raise WeightSyncError(
                 f"{name!r}: the target has shape {tuple(local.shape)}, {what} {box[1]}"
             )
-        if local.device.type != published.device:
-            where = f"the published tensor on {published.device}"
-            raise WeightSyncError(f"{name!r}: the target is on {local.device}, {where}")
+        refused = target_refusal(local.device, usable)
+        if refused is not None:
+            raise WeightSyncError(f"{name!r}: {refused}")
         if not local.is_contiguous():
             raise WeightSyncError(f"{name!r}: the target is not contiguous")
         return box
@@ -438,20 +372,3 @@ def _sliced(name: str, full: tuple[int, ...], spec: Any) -> tuple[tuple[int, ...
         )
     begin = tuple(start if d == dim else 0 for d in range(len(full)))
     return begin, (*full[:dim], stop - start, *full[dim + 1 :])
-
-
-def _read_all(load: _Load, payloads: list[Any], deadline: float | None) -> None:
-    """Every rank's ranges at once; the first failure stops the others."""
-    if len(load.reads) == 1:  # on this thread: it has ended when this returns
-        [(rank, ranges)] = load.reads
-        fetch_ranges(payloads[rank], ranges, deadline)
-        return
-    jobs = {
-        rank: functools.partial(fetch_ranges, payloads[rank], ranges, deadline, None)
-        for rank, ranges in load.reads
-    }
-    outcome = run_all(jobs, deadline)
-    if outcome.error is not None:
-        raise outcome.error
-    if outcome.late:
-        raise TimeoutError(f"ranks {outcome.late} had not sent their shards by the deadline")

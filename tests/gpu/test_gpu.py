@@ -128,8 +128,9 @@ def check(case: str, got: Any, device: str = "cuda") -> str | None:
     return problem
 
 
-def make_model(seed: int) -> torch.nn.Module:
-    """A small model on the GPU: float32 and bfloat16 parameters and an int64 buffer."""
+def make_model(seed: int, device: str = "cuda") -> torch.nn.Module:
+    """A small model on ``device`` (or "mixed": its first layer on the GPU, the rest
+    in host memory): float32 and bfloat16 parameters and an int64 buffer."""
     g = torch.Generator().manual_seed(seed)
     model = torch.nn.Sequential(
         torch.nn.Linear(64, 256), torch.nn.LayerNorm(256), torch.nn.Linear(256, 64)
@@ -139,7 +140,30 @@ def make_model(seed: int) -> torch.nn.Module:
             p.copy_(torch.randn(p.shape, generator=g))
     model[2].to(torch.bfloat16)
     model.register_buffer("steps", torch.zeros((), dtype=torch.int64))
-    return model.cuda()
+    if device == "mixed":
+        model[0].cuda()
+        return model
+    return model.to(device)
+
+
+class TensorParallel:
+    """``shard`` for rank ``rank`` of ``world`` over ``make_model``'s tensors: the
+    first layer column-parallel (rows: one run each), the last layer's weight
+    row-parallel (columns: short strided runs), the rest replicated."""
+
+    def __init__(self, rank: int, world: int) -> None:
+        self.rank, self.world = rank, world
+
+    def __call__(self, name: str, full_shape: tuple[int, ...]) -> tuple[int, int, int] | None:
+        dim = 0 if name.startswith("0.") else 1 if name == "2.weight" else None
+        if dim is None or self.world == 1:
+            return None
+        part = full_shape[dim] // self.world
+        return (dim, self.rank * part, (self.rank + 1) * part)
+
+    def take(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        spec = self(name, tuple(tensor.shape))
+        return tensor if spec is None else tensor.narrow(spec[0], spec[1], spec[2] - spec[1])
 
 
 def _delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
@@ -312,8 +336,8 @@ class Peer:
         return dict(self.reads)
 
     # -- weight sync
-    def make_source(self, seed: int) -> None:
-        self.source = make_model(seed)
+    def make_source(self, seed: int, device: str = "cuda") -> None:
+        self.source = make_model(seed, device)
         self.publisher = rd.WeightPublisher(self.source)
 
     def publish(self, version: int) -> rd.WeightsHandle:
@@ -328,22 +352,49 @@ class Peer:
     def source_state(self) -> dict[str, torch.Tensor]:
         return {k: v.detach().cpu() for k, v in self.source.state_dict().items()}
 
-    def make_target(self, seed: int) -> None:
-        self.target = make_model(seed)
-        self.identity = {
-            k: (id(v), v.data_ptr()) for k, v in self.target.state_dict(keep_vars=True).items()
-        }
-        self.subscriber = rd.WeightSubscriber(self.target)
+    def make_target(self, seed: int, device: str = "cuda", world: int = 1) -> None:
+        """A model on ``device`` to load into; with ``world`` > 1, a dict holding
+        the last rank's tensor-parallel shard of it (``TensorParallel``)."""
+        model = make_model(seed, device)
+        shard = TensorParallel(world - 1, world)
+        self.target: Any = model
+        if world > 1:
+            self.target = {
+                k: torch.empty_like(shard.take(k, v), memory_format=torch.contiguous_format)
+                for k, v in model.state_dict().items()
+            }
+        self.identity = {k: (id(v), v.data_ptr()) for k, v in self._target_state().items()}
+        self.subscriber = rd.WeightSubscriber(self.target, shard=shard if world > 1 else None)
+
+    def _target_state(self) -> dict[str, torch.Tensor]:
+        if isinstance(self.target, torch.nn.Module):
+            return self.target.state_dict(keep_vars=True)
+        return self.target
 
     def load(self, handle: rd.WeightsHandle) -> dict:
         before = dict(rd.local_stats().objects_received)
         version = self.subscriber.load(handle, timeout=TIMEOUT)
-        state = self.target.state_dict(keep_vars=True)
+        state = self._target_state()
         return {
             "version": version,
             "same_tensors": {k: (id(v), v.data_ptr()) for k, v in state.items()} == self.identity,
             "state": {k: v.detach().cpu() for k, v in state.items()},
+            "devices": {k: v.device.type for k, v in state.items()},
             "received": _delta(before, rd.local_stats().objects_received),
+        }
+
+    def try_load(self, handle: rd.WeightsHandle) -> dict:
+        """A load that may be refused: its error, and the bytes that moved."""
+        before = sum(rd.local_stats().bytes_received.values())
+        try:
+            self.subscriber.load(handle, timeout=TIMEOUT)
+            error = None
+        except Exception as exc:
+            error = _error(exc)
+        return {
+            "error": error,
+            "received": sum(rd.local_stats().bytes_received.values()) - before,
+            "version": self.subscriber.version,
         }
 
 
@@ -606,6 +657,58 @@ def test_weight_sync_into_cuda_parameters(gpu_pair):
         for name, tensor in want.items():
             got = result["state"][name]
             assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+
+
+# A CPU trainer's weights into a GPU engine, a GPU trainer's into host staging, and
+# targets on both: a transport that writes the target's device writes it straight
+# (cuda_ipc copies into host memory); the others read into scratch they write and
+# the bytes are copied over once (cma into page-locked memory, then onto the GPU).
+@pytest.mark.parametrize("world", [1, 2], ids=["whole", "tp2"])
+@pytest.mark.parametrize(
+    ("source", "target", "transports"),
+    [
+        ("cuda", "cpu", {"cuda_ipc"}),
+        ("cpu", "cuda", {"cma", "shm"}),
+        ("cuda", "cuda", {"cuda_ipc"}),
+        ("cpu", "mixed", {"cma", "shm"}),
+        ("cuda", "mixed", {"cuda_ipc"}),
+    ],
+)
+def test_weight_sync_across_devices(gpu_pair, source, target, transports, world):
+    p, r = gpu_pair
+    ray.get([p.make_source.remote(1, source), r.make_target.remote(2, target, world)])
+    shard = TensorParallel(world - 1, world)
+    for version in (1, 2):
+        if version == 2:
+            ray.get(p.step.remote())  # in place, after version 1 was published
+        result = ray.get(r.load.remote(p.publish.remote(version)), timeout=TIMEOUT)
+        want = ray.get(p.source_state.remote())
+        assert result["version"] == version and result["same_tensors"] is True, result
+        assert sum(result["received"].values()) == 1, result  # one read of the version
+        assert set(result["received"]) <= transports, result
+        for name, tensor in want.items():
+            on = "cuda" if target == "cuda" or (target == "mixed" and name[:2] == "0.") else "cpu"
+            assert result["devices"][name] == on, (name, result["devices"])
+            expect, got = shard.take(name, tensor), result["state"][name]
+            assert got.dtype == expect.dtype and torch.equal(got, expect), name
+
+
+def test_cuda_weights_in_a_worker_that_sees_no_gpu_are_refused_naming_the_fix(gpu_pair):
+    """No transport reads CUDA memory into a process without a GPU: refused before
+    a byte moves, the version unchanged, the error naming num_gpus."""
+    p, _ = gpu_pair
+    hidden = {"env_vars": {"CUDA_VISIBLE_DEVICES": ""}}
+    c = Peer.options(num_gpus=0, runtime_env=hidden).remote()
+    try:
+        assert ray.get(c.sees_gpu.remote()) is False
+        ray.get([p.make_source.remote(1, "cuda"), c.make_target.remote(2, "cpu")])
+        result = ray.get(c.try_load.remote(p.publish.remote(1)), timeout=TIMEOUT)
+        error = result["error"] or ""
+        assert error.startswith("WeightSyncError") and "num_gpus" in error, result
+        assert error.endswith("nothing was written"), result
+        assert result["received"] == 0 and result["version"] is None, result
+    finally:
+        _kill(c)
 
 
 # ---------------------------------------------------------------- NIXL on device memory

@@ -214,7 +214,9 @@ class TensorTransportManager(ABC):
     devices: ClassVar[tuple[str, ...]] = ("cpu",)
     receive_devices: ClassVar[tuple[str, ...]] = ()
     """Device types a byte transport's ``receive`` can write into besides
-    ``devices`` (``rd.get(ref, device=...)``); empty: only ``devices``."""
+    ``devices`` (``rd.get(ref, device=...)``, a weight subscriber's targets on
+    another device); empty: only ``devices``. Elsewhere the orchestration reads
+    into memory of ``devices`` and copies over."""
     same_node_only: ClassVar[bool] = False
     byte_transport: ClassVar[bool] = False
     extract_in_background: ClassVar[bool] = True
