@@ -43,6 +43,25 @@ class Rank:
             source=source,
         )
 
+    def break_source(self) -> None:
+        """This rank's source raises the next time it is read."""
+        from vllm.distributed.weight_transfer.base import WeightSource
+
+        source, rank = self.engine.source, self.rank
+
+        class Broken(WeightSource):
+            def metadata(self) -> Any:
+                return source.metadata()
+
+            def __iter__(self) -> Any:
+                raise RuntimeError(f"rank {rank}'s source is broken")
+
+        self.engine.source = Broken()
+
+    def kept_bytes(self) -> int:
+        """The bytes of the trainer's tensors this rank's engine still holds."""
+        return sum(t.numel() * t.element_size() for t in self.engine._state.values())
+
     def step(self) -> None:
         """A training step's worth of change, in place, and a no-grad forward
         (which leaves FSDP2's parameters unsharded until resharded)."""

@@ -75,6 +75,18 @@ def test_module_source_gathers_and_rank0_sends(engine: Any, ranks: list[Any]) ->
     ray.get([r.trainer_init.remote([engine], sharded=False) for r in ranks], timeout=120)
     full, sent = _step_and_sync(engine, ranks)
     assert sent[1] == 0 and sent[0] == sum(t.numel() * t.element_size() for t in full.values())
+    # the gathered copies: never kept by rank 1, dropped by rank 0 once read
+    assert ray.get([r.kept_bytes.remote() for r in ranks]) == [0, 0]
+
+
+def test_rank0_that_cannot_publish_fails_every_rank_at_once(engine: Any, ranks: list[Any]) -> None:
+    """Rank 1 learns of rank 0's failure from the mailbox at once, not when its
+    own timeout (300 s here) runs out."""
+    ray.get([r.trainer_init.remote([engine], sharded=True, timeout=300) for r in ranks])
+    ray.get(ranks[0].break_source.remote())
+    errors = ray.get([r.send_weights.remote() for r in ranks], timeout=120)
+    assert all("trainer rank 0 could not publish" in e for e in errors), errors
+    assert "rank 0's source is broken" in errors[1] and "keep serving" in errors[1]
 
 
 def test_a_rank_that_dies_mid_update_is_named(engine: Any, ranks: list[Any]) -> None:

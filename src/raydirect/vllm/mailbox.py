@@ -142,7 +142,10 @@ class RaydirectMailbox:
 
     @ray.method(concurrency_group="writes")
     def put(self, version: int, rank: int, handle: list[Any]) -> None:
-        self._version(version).handles[rank] = handle[0]
+        record = self._version(version)
+        if record.failed or record.decision == "abort" or record.outcome is not None:
+            return  # ended already: nobody may read it, its rank must not wait for readers
+        record.handles[rank] = handle[0]
         self._last = max(self._last, version)
         for record in self._older(version):  # a newer version supersedes them
             record.handles.clear()
@@ -289,7 +292,10 @@ class RaydirectMailbox:
         if record.outcome is not None:
             return record.outcome
         if record.failed:
-            return f"version {version} was not applied: {record.failed}"
+            return (
+                f"version {version} was not applied: {record.failed}. No engine loaded it: "
+                "the engines keep serving the weights they held before this update"
+            )
         if 0 in self._dead:
             return f"trainer rank 0, which drives the engines, died during version {version}"
         return (
