@@ -320,3 +320,47 @@ def test_an_impostor_mailbox_never_gets_its_reply_unpickled(
     assert not marker.exists()
     ray.kill(impostor)
     _still_updates(tp2_engine, seed=61)
+
+
+def _load_weights_raises(rank: int) -> Any:
+    """A worker function: worker ``rank``'s model fails its next loads (a loader
+    bug), until ``_mended``."""
+
+    def sabotage(worker: Any) -> bool:
+        if worker.rank != rank:
+            return False
+
+        def broken(weights: Any) -> Any:
+            raise RuntimeError("a loader bug")
+
+        worker.model_runner.model.load_weights = broken
+        return True
+
+    return sabotage
+
+
+def _mended(worker: Any) -> None:
+    vars(worker.model_runner.model).pop("load_weights", None)
+
+
+def test_a_failure_inside_the_load_is_reported_as_such(tp2_engine: Any) -> None:
+    """Phase two cannot be all or nothing: a worker whose load fails is named, the
+    engine is said to hold a mix (not to be untouched), and the next update loads
+    every layer again."""
+    model = random_llama(seed=62)
+    trainer = _trainer([tp2_engine], ModuleSource(model))
+    trainer.send_weights()  # the layout is surveyed: the next update only loads
+    assert ray.get(tp2_engine.collective_rpc.remote(_load_weights_raises(1))) == [False, True]
+    _stepped(model, 1.1)
+    try:
+        with pytest.raises(rd.WeightSyncError, match="committed, but loading it failed") as info:
+            trainer.send_weights()
+    finally:
+        ray.get(tp2_engine.collective_rpc.remote(_mended))
+    said = str(info.value)
+    assert "worker 1/2" in said and "a loader bug" in said and "hold a mix" in said, said
+    assert "worker 0/2" not in said
+    assert _sessions_open(tp2_engine) == [False, False]
+    after = _stepped(model, 1.1)
+    trainer.send_weights()
+    assert _serves(tp2_engine, after) < LOGPROB_TOLERANCE

@@ -54,14 +54,20 @@ class Trainer:
             ) from None
 
 
+_exported: dict[str, str] = {}  # what export_ray_context set, by variable
+
+
 def export_ray_context() -> None:
     """In a process connected to Ray (e.g. an ``LLM`` inside a Ray actor): makes
     the processes it starts (vLLM's engine core and workers) join the same
-    cluster and namespace, unless set otherwise already."""
-    if ray.is_initialized():
-        context = ray.get_runtime_context()
-        os.environ.setdefault(ADDRESS, context.gcs_address)
-        os.environ.setdefault(NAMESPACE, context.namespace)
+    cluster and namespace. A value the user set is kept; one this function set
+    follows the process's current Ray connection (it may have reconnected)."""
+    if not ray.is_initialized():
+        return
+    context = ray.get_runtime_context()
+    for name, value in ((ADDRESS, context.gcs_address), (NAMESPACE, context.namespace)):
+        if os.environ.get(name) in (None, "", _exported.get(name)):
+            os.environ[name] = _exported[name] = value
 
 
 def join(trainer: Trainer) -> str:
