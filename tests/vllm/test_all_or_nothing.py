@@ -171,6 +171,13 @@ def test_a_name_no_rank_published_is_refused(tied: Any) -> None:
     with pytest.raises(rd.WeightSyncError, match=f"{norm}.*no trainer rank published"):
         bad.send_weights()
     assert _serves(tied, _tied_state(before), **TIED) < LOGPROB_TOLERANCE
+    # A name the source stops yielding is not published again from an earlier step.
+    state = _tied_state(state_of(model))
+    shrinking = _trainer([tied], DictSource(state))
+    shrinking.send_weights()
+    del state[norm]
+    with pytest.raises(rd.WeightSyncError, match=f"{norm}' is filled by no published tensor"):
+        shrinking.send_weights()
 
 
 def test_a_casting_dtype_is_accepted_and_exact(tied: Any) -> None:
