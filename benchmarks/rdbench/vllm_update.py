@@ -292,8 +292,9 @@ def _operations(
     def raydirect(engine: Any, actors: list[Any], name: str, trainer: str) -> Callable[[], Update]:
         def op() -> Update:
             step(actors, trainer)
-            sends = [x.send.remote(name) for x in actors]
-            _, start, end = window(lambda: ray.get(sends, timeout=TRANSFER_TIMEOUT_S))
+            _, start, end = window(
+                lambda: ray.get([x.send.remote(name) for x in actors], timeout=TRANSFER_TIMEOUT_S)
+            )
             checked(engine, trainer)
             return Update(end - start, start, end)
 
@@ -323,8 +324,9 @@ def _operations(
 
     def floor() -> Update:
         # timed inside each worker (no call); its window, for the stall, is the call's
-        call = engine.rpc.remote(a.reload_stash)
-        seconds, start, end = window(lambda: ray.get(call, timeout=TRANSFER_TIMEOUT_S))
+        seconds, start, end = window(
+            lambda: ray.get(engine.rpc.remote(a.reload_stash), timeout=TRANSFER_TIMEOUT_S)
+        )
         return Update(max(seconds), start, end)
 
     ops[NAIVE] = naive
