@@ -13,7 +13,13 @@ engine's start/update/finish, the workers' pulls and loads), against
   memory, under the same layerwise reload (timed inside the worker: no call);
 
 and does each worker of a tensor-parallel engine receive only its slice, and
-each rank of an FSDP2 trainer send only its shards?
+each rank of an FSDP2 trainer send only its shards? And (issue 39) how long
+does an update stop the engine? The backend receives while the engine serves;
+only its load stops it. At tensor parallel 1 and 2, each system's update in
+every round is followed by one more while a request streams, and its **stall**
+is the longest gap between two of the request's tokens that overlaps the update
+(``rdbench.vllm_stall``), set beside the update's time and the gap between
+tokens with no update; the target is raydirect's stall at most 1.2x the floor's.
 
 Points: tensor parallel 1 and 2 (one trainer process holding the model,
 vLLM's ``ModuleSource``), and a 2-rank FSDP2 trainer on gloo into a
@@ -426,7 +432,7 @@ def vllm_targets(rows: Sequence[Row]) -> str:
             lines.append(TargetLine(what, bound, True, point, got, None))
     title = "Targets (ratios of median update times, and of median stalls, in this run):"
     parts = [render_targets(lines, title), render_stalls(rows, FLOOR)]
-    counted = [r for r in rows if any(k == WORKER_BYTES for k in r.measured)]
+    counted = [r for r in rows if WORKER_BYTES in r.measured]
     if counted:
         table = "Bytes moved in one update (rd.local_stats(), untimed):\n\n"
         table += "| point | system | measured |\n|---|---|---|\n"
