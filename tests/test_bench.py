@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 CLI = [sys.executable, "-m", "raydirect.cli"]
 WORKLOADS = {1, 2, 3, 4, 5, 6, 7, 8, 9}
 
@@ -181,6 +183,60 @@ def test_resharding_targets_compare_like_with_like():
     rows[0].error = "failed"  # a row that failed judges nothing
     assert len(reshard_targets(rows).splitlines()) == 7
     assert reshard_targets([]) == ""
+
+
+def test_vllm_stall_is_the_longest_gap_between_tokens_over_the_update():
+    """Workload 9's stall: of the gaps between a streamed request's tokens, the
+    longest that overlaps the update's window (a gap that ends before it or
+    starts after it is not the update's); the gaps before it are the engine's
+    step with no update. A stream that does not cover the update measures nothing."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from rdbench.vllm_stall import Update, stall_of
+
+    times = [0.0, 0.1, 0.2, 0.35, 0.4, 0.9, 1.0, 1.6, 1.7]  # 1.0 -> 1.6: after the update
+    stall = stall_of(times, Update(0.45, 0.38, 0.95))
+    assert stall.stall_s == pytest.approx(0.5)  # 0.4 -> 0.9, not the later 0.6
+    assert stall.update_s == 0.45
+    assert stall.gaps_s == pytest.approx([0.1, 0.1, 0.15])  # the gaps that end before it
+    assert stall_of(times, Update(0.1, 0.36, 0.38)).stall_s == pytest.approx(0.05)
+    with pytest.raises(RuntimeError, match="before the update returned"):
+        stall_of(times, Update(2.0, 0.38, 1.8))
+    with pytest.raises(RuntimeError, match="too few before"):
+        stall_of(times, Update(0.1, 0.05, 0.15))
+
+
+def test_vllm_targets_judge_the_stall_beside_the_update_times():
+    """Workload 9's summary: the update-time targets, and raydirect's median stall
+    over the floor's (at most 1.2x) at each tensor-parallel point, met as printed;
+    the stall table gives each system's stall beside its update's time, the
+    floor's ratios and the gap with no update; the bytes table only bytes."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from rdbench.common import Row
+    from rdbench.vllm_stall import Stall, record
+    from rdbench.vllm_update import FLOOR, NAIVE, RAYDIRECT, TP1, TP2, WORKER_BYTES, vllm_targets
+
+    def row(system: str, point: str, ms: float, stalls: list[float]) -> Row:
+        made = Row(9, system, point, 0, 1, times_s=[ms / 1e3] * 3)
+        for stall_ms in stalls:
+            record(made, Stall(ms * 1.2 / 1e3, stall_ms / 1e3, [0.04, 0.05, 0.06]))
+        return made
+
+    rows = [
+        row(RAYDIRECT, TP1, 250.0, [220.0, 230.0, 260.0]),  # median 230: 1.15x the floor's
+        row(NAIVE, TP1, 450.0, [400.0]),
+        row(FLOOR, TP1, 200.0, [200.0]),
+        row(RAYDIRECT, TP2, 340.0, [300.0]),  # 1.25x: missed
+        row(FLOOR, TP2, 260.0, [240.0]),
+    ]
+    rows[0].measured[WORKER_BYTES] = 1.0
+    lines = vllm_targets(rows).splitlines()
+    stall = "| raydirect's stall / floor (b)'s stall, at most 1.2x"
+    assert f"{stall} | {TP1} | 1.15x | - | yes |" in lines
+    assert f"{stall} | {TP2} | 1.25x | - | no |" in lines
+    assert f"| {TP1} | {RAYDIRECT} | 3 | 230.0 | 300.0 | 1.15x | 0.96x | 50.0 | 60.0 |" in lines
+    assert f"| {TP1} | {NAIVE} | 1 | 400.0 | 540.0 | 2.00x | 1.67x | 50.0 | 60.0 |" in lines
+    assert f"| {TP1} | {RAYDIRECT} | worker bytes / its parameters 1.00 |" in lines
+    assert vllm_targets([]) == ""
 
 
 def test_resharding_floors_copy_what_each_system_copies():

@@ -263,6 +263,9 @@ class Row:
     # What else the row measured beside times (workload 7: each worker's bytes
     # received over the bytes of its slice), by name.
     measured: dict[str, float] = field(default_factory=dict)
+    # The values behind a measured figure, one per operation, by name (workload 9:
+    # each streamed update's stall, in seconds); in the JSON report.
+    samples: dict[str, list[float]] = field(default_factory=dict)
 
     def values(self) -> list[float]:
         if self.unit == "us":
@@ -297,6 +300,7 @@ class Row:
             "skipped": self.skipped,
             "note": self.note,
             "measured": self.measured,
+            "samples": self.samples,
         }
 
 

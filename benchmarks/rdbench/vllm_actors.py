@@ -4,13 +4,17 @@ runs inside its workers (``collective_rpc``, which takes a function only with
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``).
 
 Imports vLLM: only ``rdbench.vllm_update`` imports this module, and only where
-vLLM is installed (.venv-vllm: ``bash scripts/setup-vllm-venv.sh``).
+vLLM is installed (.venv-vllm: ``bash scripts/setup-vllm-venv.sh``); what the
+two share is in ``rdbench.vllm_shared``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +26,7 @@ from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
 import raydirect as rd
-from rdbench.vllm_update import DELTA
+from rdbench.vllm_shared import DELTA, MAX_MODEL_LEN, STREAM_PROMPT, STREAM_TOKENS
 
 BENCHMARKS = str(Path(__file__).resolve().parents[1])  # rdbench's parent, for the workers
 VLLM_ENV = {
@@ -30,8 +34,8 @@ VLLM_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "0|1",  # a core per worker at tensor parallel 2
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with the functions below
     "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # with the progress lines, not in the tables
 }
-MAX_MODEL_LEN = 256
 STASH = "_rdbench_stash"  # the floor's tensors, kept on the worker between rounds
 
 
@@ -100,48 +104,107 @@ def received(worker: Any) -> int:
 # ---------------------------------------------------------------- actors
 
 
+@dataclass
+class _Stream:
+    """One streaming request: each token's arrival (``time.monotonic()``, the
+    clock every process of this machine shares), and when to end it."""
+
+    times: list[float] = field(default_factory=list)
+    stop_at: int | None = None  # end once this many tokens have arrived
+    done: bool = False
+
+
 @ray.remote(num_cpus=0)
 class Engine:
-    """A vLLM ``LLM`` in a Ray actor, with the methods ``RayVLLMWeightSyncClient``
-    calls and ``rpc`` for the functions above. Its workers are processes of its
-    own: they inherit ``RAY_ADDRESS`` (the backend joins the cluster through it)
-    and ``PYTHONPATH`` (to find this module)."""
+    """A vLLM ``AsyncLLM`` in an async Ray actor, with the methods
+    ``RayVLLMWeightSyncClient`` calls (coroutines: Ray runs them on the actor's
+    event loop, so an update's calls arrive while ``stream`` serves a request),
+    ``rpc`` for the functions above, and the streaming request the stall is
+    measured on. The offline ``LLM`` would block the actor while it generates.
+    Its workers are processes of its own: they inherit ``RAY_ADDRESS`` (the
+    backend joins the cluster through it) and ``PYTHONPATH`` (to find this module)."""
 
-    def __init__(self, model: str, backend: bool, **llm_kwargs: Any) -> None:
+    def __init__(self, model: str, backend: bool, **engine_kwargs: Any) -> None:
         os.environ.update(VLLM_ENV)
         os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         path = os.environ.get("PYTHONPATH", "")
         os.environ["PYTHONPATH"] = f"{BENCHMARKS}:{path}" if path else BENCHMARKS
-        from vllm import LLM
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         transfer = {"weight_transfer_config": {"backend": "raydirect"}} if backend else {}
-        self.llm = LLM(
+        args = AsyncEngineArgs(
             model=model,
             dtype="float32",
             skip_tokenizer_init=True,
             max_model_len=MAX_MODEL_LEN,
             enforce_eager=True,
+            disable_log_stats=True,
             **transfer,
-            **llm_kwargs,
+            **engine_kwargs,
         )
+        self.llm = AsyncLLM.from_engine_args(args)
+        self.streams: dict[str, _Stream] = {}
 
-    def init_weight_transfer_engine(self, request: Any) -> None:
-        self.llm.init_weight_transfer_engine(request)
+    async def init_weight_transfer_engine(self, request: Any) -> None:
+        await self.llm.init_weight_transfer_engine(request)
 
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
+    async def start_weight_update(self) -> None:
+        await self.llm.start_weight_update()
 
-    def update_weights(self, request: Any) -> None:
-        self.llm.update_weights(request)
+    async def update_weights(self, request: Any) -> None:
+        await self.llm.update_weights(request)
 
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self.llm.finish_weight_update(weight_version)
 
-    def update_weight_version(self, new_version: str) -> None:
-        self.llm.update_weight_version(new_version)
+    async def update_weight_version(self, new_version: str) -> None:
+        await self.llm.update_weight_version(new_version)
 
-    def rpc(self, fn: Any, *args: Any) -> list[Any]:
-        return self.llm.collective_rpc(fn, args=args)
+    async def rpc(self, fn: Any, *args: Any) -> list[Any]:
+        return await self.llm.collective_rpc(fn, args=args)
+
+    async def stream(self, sid: str) -> list[float]:
+        """Serves one greedy request (its end token ignored) until ``end_stream``;
+        returns when each of its tokens arrived here, where a client would see it."""
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=STREAM_TOKENS,
+            temperature=0.0,
+            ignore_eos=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.DELTA,  # each output: the tokens new since the last
+        )
+        # the streams before this one are over, and the driver asks nothing more of them
+        self.streams = {k: v for k, v in self.streams.items() if not v.done}
+        state = self.streams.setdefault(sid, _Stream())
+        outputs = self.llm.generate({"prompt_token_ids": STREAM_PROMPT}, params, sid)
+        try:
+            async with contextlib.aclosing(outputs):  # leaving early aborts the request
+                async for out in outputs:
+                    now = time.monotonic()
+                    state.times += [now] * len(out.outputs[0].token_ids)
+                    if state.stop_at is not None and len(state.times) >= state.stop_at:
+                        break
+        finally:
+            state.done = True
+        return state.times
+
+    async def wait_tokens(self, sid: str, count: int) -> int:
+        """Returns once ``sid`` has ``count`` tokens (or has ended: its ``stream``
+        call then says why); Ray may start this before ``stream``."""
+        state = self.streams.setdefault(sid, _Stream())
+        while len(state.times) < count and not state.done:
+            await asyncio.sleep(0.005)
+        return len(state.times)
+
+    async def end_stream(self, sid: str, more: int) -> None:
+        """Ends ``sid`` once ``more`` tokens have arrived after this call."""
+        state = self.streams.get(sid)
+        if state is not None:
+            state.stop_at = len(state.times) + more
 
 
 class _Sender:

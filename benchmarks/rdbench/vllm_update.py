@@ -13,7 +13,13 @@ engine's start/update/finish, the workers' pulls and loads), against
   memory, under the same layerwise reload (timed inside the worker: no call);
 
 and does each worker of a tensor-parallel engine receive only its slice, and
-each rank of an FSDP2 trainer send only its shards?
+each rank of an FSDP2 trainer send only its shards? And (issue 39) how long
+does an update stop the engine? The backend receives while the engine serves;
+only its load stops it. At tensor parallel 1 and 2, each system's update in
+every round is followed by one more while a request streams, and its **stall**
+is the longest gap between two of the request's tokens that overlaps the update
+(``rdbench.vllm_stall``), set beside the update's time and the gap between
+tokens with no update; the target is raydirect's stall at most 1.2x the floor's.
 
 Points: tensor parallel 1 and 2 (one trainer process holding the model,
 vLLM's ``ModuleSource``), and a 2-rank FSDP2 trainer on gloo into a
@@ -42,7 +48,6 @@ import os
 import socket
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,6 +58,16 @@ import torch
 from rdbench.common import SETUP_TIMEOUT_S, TRANSFER_TIMEOUT_S, Row, describe_error, log
 from rdbench.fleet import Context
 from rdbench.report import TargetLine, render_targets
+from rdbench.vllm_shared import DELTA, MAX_MODEL_LEN
+from rdbench.vllm_stall import (
+    Update,
+    measure,
+    median_stall,
+    record,
+    render_stalls,
+    warm_up,
+    window,
+)
 
 LLAMA = {  # ~320 MiB in float32: 6 x 11.2 M + 2 x 8.4 M parameters
     "hidden_size": 1024,
@@ -61,12 +76,18 @@ LLAMA = {  # ~320 MiB in float32: 6 x 11.2 M + 2 x 8.4 M parameters
     "num_attention_heads": 16,
     "num_key_value_heads": 4,
     "vocab_size": 8192,
-    "max_position_embeddings": 512,
+    "max_position_embeddings": MAX_MODEL_LEN,  # RoPE: no weights; the streamed request's room
     "tie_word_embeddings": False,
 }
-QUICK_LLAMA = {**LLAMA, "hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 2}
+QUICK_LLAMA = {  # ~21 MiB; heads of 32 (vLLM's CPU attention serves no narrower head)
+    **LLAMA,
+    "hidden_size": 256,
+    "intermediate_size": 704,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+}
 ENGINE_START_TIMEOUT_S = 600.0  # four engines start at once on 2 shared cores
-DELTA = 0.0625  # the trainer adds this to every parameter before each update
 SHM_FILE = "/dev/shm/rdbench-vllm-update.safetensors"
 
 RAYDIRECT = "raydirect backend, send_weights()"
@@ -78,6 +99,7 @@ TP1, TP2, FSDP = "tensor parallel 1", "tensor parallel 2", "FSDP2 2 ranks -> ten
 WORKER_BYTES = "worker bytes / its parameters"
 RANK_BYTES = "bytes sent / model, rank "
 TARGETS = [(RAYDIRECT, NAIVE, 0.75), (RAYDIRECT, FLOOR, 1.3)]
+STALL_TARGETS = [(RAYDIRECT, FLOOR, 1.2)]  # medians of the stall, not of the update's time
 INSTALL = (
     "vLLM is not installed here; run: bash scripts/setup-vllm-venv.sh && "
     ".venv-vllm/bin/python benchmarks/bench.py --workloads 9"
@@ -249,7 +271,8 @@ def vllm_update(ctx: Context) -> list[Row]:
                         row.error = f"setup failed: {describe_error(exc)}"
                     continue
                 ops = _operations(fleet, point, family)
-                _rounds(family, ops, repeats)
+                streams = None if point == FSDP else fleet.engines[point]
+                _rounds(family, ops, repeats, streams)
                 _count_bytes(fleet, point, family, ops)
         finally:
             fleet.close()
@@ -258,8 +281,9 @@ def vllm_update(ctx: Context) -> list[Row]:
 
 def _operations(
     fleet: _Fleet, point: str, family: dict[str, Row]
-) -> dict[str, Callable[[], float]]:
-    """One timed update of each system at ``point``; each checks the engine after."""
+) -> dict[str, Callable[[], Update]]:
+    """One timed update of each system at ``point``; each checks the engine after
+    (untimed, outside its window)."""
     model, a = fleet.model, fleet.actors
     tp = 2 if point == TP2 else 1
 
@@ -271,18 +295,18 @@ def _operations(
         ray.get([x.step.remote() for x in actors], timeout=SETUP_TIMEOUT_S)
         model.deltas[trainer] = model.deltas.get(trainer, 0) + 1
 
-    def raydirect(engine: Any, actors: list[Any], name: str, trainer: str) -> Callable[[], float]:
-        def op() -> float:
+    def raydirect(engine: Any, actors: list[Any], name: str, trainer: str) -> Callable[[], Update]:
+        def op() -> Update:
             step(actors, trainer)
-            start = time.perf_counter()
-            ray.get([x.send.remote(name) for x in actors], timeout=TRANSFER_TIMEOUT_S)
-            seconds = time.perf_counter() - start
+            _, start, end = window(
+                lambda: ray.get([x.send.remote(name) for x in actors], timeout=TRANSFER_TIMEOUT_S)
+            )
             checked(engine, trainer)
-            return seconds
+            return Update(end - start, start, end)
 
         return op
 
-    ops: dict[str, Callable[[], float]] = {}
+    ops: dict[str, Callable[[], Update]] = {}
     if point == FSDP:
         for system in (SHARDED, GATHERED):
             # one model on the ranks, stepped by both systems: one count of its deltas
@@ -293,17 +317,23 @@ def _operations(
     if RAYDIRECT in family:
         ops[RAYDIRECT] = raydirect(engine, [trainer], _name(point), "trainer")
 
-    def naive() -> float:
+    def naive() -> Update:
         step([trainer], "trainer")
-        start = time.perf_counter()
-        ray.get(trainer.save.remote(SHM_FILE), timeout=TRANSFER_TIMEOUT_S)
-        ray.get(engine.rpc.remote(a.reload_from_file, SHM_FILE), timeout=TRANSFER_TIMEOUT_S)
-        seconds = time.perf_counter() - start
-        checked(engine, "trainer")
-        return seconds
 
-    def floor() -> float:
-        return max(ray.get(engine.rpc.remote(a.reload_stash), timeout=TRANSFER_TIMEOUT_S))
+        def save_and_load() -> None:
+            ray.get(trainer.save.remote(SHM_FILE), timeout=TRANSFER_TIMEOUT_S)
+            ray.get(engine.rpc.remote(a.reload_from_file, SHM_FILE), timeout=TRANSFER_TIMEOUT_S)
+
+        _, start, end = window(save_and_load)
+        checked(engine, "trainer")
+        return Update(end - start, start, end)
+
+    def floor() -> Update:
+        # timed inside each worker (no call); its window, for the stall, is the call's
+        seconds, start, end = window(
+            lambda: ray.get(engine.rpc.remote(a.reload_stash), timeout=TRANSFER_TIMEOUT_S)
+        )
+        return Update(max(seconds), start, end)
 
     ops[NAIVE] = naive
     ops[FLOOR] = floor
@@ -313,14 +343,24 @@ def _operations(
     return ops
 
 
-def _rounds(family: dict[str, Row], ops: dict[str, Callable[[], float]], repeats: int) -> None:
-    """One cold update of each system, then ``repeats`` rounds of one each."""
+def _rounds(
+    family: dict[str, Row], ops: dict[str, Callable[[], Update]], repeats: int, streams: Any
+) -> None:
+    """One cold update of each system, then ``repeats`` rounds of one each. With
+    an engine to stream from (``streams``), each system's update in every round,
+    the cold one's too, is followed by one more while a request streams, for the
+    stall (``rdbench.vllm_stall``; its time is not in the row's times: the
+    request's steps share the machine's two cores with it)."""
     live = {s: op for s, op in ops.items() if s in family}
+    if streams is not None:
+        warm_up(streams)
     for i in range(repeats + 1):
         for system, op in list(live.items()):
             row = family[system]
             try:
-                seconds = op()
+                seconds = op().seconds
+                if streams is not None:
+                    record(row, measure(streams, op))
             except Exception as exc:
                 row.error = describe_error(exc)
                 log(f"w9 {system} @ {row.param}: FAILED: {row.error}")
@@ -333,11 +373,14 @@ def _rounds(family: dict[str, Row], ops: dict[str, Callable[[], float]], repeats
     for system in live:
         row = family[system]
         if row.times_s:
-            log(f"w9 {system} @ {row.param}: median {statistics.median(row.times_s) * 1e3:.0f} ms")
+            ms = statistics.median(row.times_s) * 1e3
+            stall = median_stall(row)
+            also = "" if stall is None else f", stall {stall * 1e3:.0f} ms while streaming"
+            log(f"w9 {system} @ {row.param}: median {ms:.0f} ms{also}")
 
 
 def _count_bytes(
-    fleet: _Fleet, point: str, family: dict[str, Row], ops: dict[str, Callable[[], float]]
+    fleet: _Fleet, point: str, family: dict[str, Row], ops: dict[str, Callable[[], Update]]
 ) -> None:
     """One more update of each raydirect row, untimed, counting the bytes each
     worker received (over its parameters' bytes) and each trainer rank sent (over
@@ -366,12 +409,14 @@ def _count_bytes(
 
 
 def vllm_targets(rows: Sequence[Row]) -> str:
-    """The issue's targets at each tensor-parallel point (ratios of median times)."""
+    """The issue's targets at each tensor-parallel point (ratios of median update
+    times, and of median stalls), the stall table, and the bytes moved."""
     ms = {
         (r.system, r.param): statistics.median(r.times_s)
         for r in rows
         if r.times_s and r.error is None
     }
+    by_key = {(r.system, r.param): r for r in rows}
     lines: list[TargetLine] = []
     for point in (TP1, TP2):
         for mine, base, bound in TARGETS:
@@ -380,15 +425,26 @@ def vllm_targets(rows: Sequence[Row]) -> str:
             lines.append(
                 TargetLine(f"raydirect / {base.split(',')[0]}", bound, True, point, got, None)
             )
-    out = render_targets(lines, "Targets (ratios of median update times in this run):")
-    counted = [r for r in rows if r.measured]
+        for mine, base, bound in STALL_TARGETS:
+            a, b = median_stall(by_key.get((mine, point))), median_stall(by_key.get((base, point)))
+            got = a / b if a is not None and b else None
+            what = f"raydirect's stall / {base.split(':')[0]}'s stall"
+            lines.append(TargetLine(what, bound, True, point, got, None))
+    title = "Targets (ratios of median update times, and of median stalls, in this run):"
+    parts = [render_targets(lines, title), render_stalls(rows, FLOOR)]
+    counted = [r for r in rows if WORKER_BYTES in r.measured]
     if counted:
-        out += "\n\nBytes moved in one update (rd.local_stats(), untimed):\n\n"
-        out += "| point | system | measured |\n|---|---|---|\n"
-        out += "\n".join(
+        table = "Bytes moved in one update (rd.local_stats(), untimed):\n\n"
+        table += "| point | system | measured |\n|---|---|---|\n"
+        table += "\n".join(
             f"| {r.param} | {r.system} | "
-            + ", ".join(f"{k} {v:.2f}" for k, v in r.measured.items())
+            + ", ".join(
+                f"{k} {v:.2f}"
+                for k, v in r.measured.items()
+                if k == WORKER_BYTES or k.startswith(RANK_BYTES)
+            )
             + " |"
             for r in counted
         )
-    return out
+        parts.append(table)
+    return "\n\n".join(p for p in parts if p)
