@@ -264,6 +264,14 @@ class RaydirectMailbox:
         return [r for r in sorted(self._dead) if r not in record.handles]
 
     @ray.method(concurrency_group="waits")
+    async def decided(self, version: int, timeout: float) -> str:
+        """Rank 0's decision on ``version`` once made (``""`` if none by the deadline):
+        a worker asks as it joins, and has the answer when the session finishes."""
+        record = self._version(version)
+        await self._wait(lambda: bool(record.decision) or record.outcome is not None, timeout)
+        return record.decision or ("abort" if record.outcome is not None else "")
+
+    @ray.method(concurrency_group="waits")
     async def reports(self, version: int, phase: str, timeout: float) -> dict[str, Any]:
         """Rank 0: every joined worker's report of ``phase`` once all are in (or at
         the deadline): ``{"workers": {id: who}, "said": {id: error}}``; a worker

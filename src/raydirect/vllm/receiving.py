@@ -39,6 +39,7 @@ class Pending:
         self.relayed_from = 0
         self.received_s = 0.0
         self.finished = threading.Event()  # phase one has ended (see ``error``)
+        self.decision: Any = None  # a ref: rank 0's decision on this version, once made
         self._thread: threading.Thread | None = None
 
     def left(self) -> float:

@@ -109,10 +109,11 @@ def drive(
     if not problems:  # else it is an abort already: the workers still receiving drop it
         wait = max(phase_end - time.monotonic(), 0.0)
         first = ray.get(mailbox.reports.remote(version, "received", wait), timeout=wait + _SLACK)
+        problems += _unjoined(first)
         problems += _unreported(first, "receive", update.get("seconds", 0.0))
         problems += _reported(first)
     commit = not problems
-    ray.get(mailbox.decide.remote(version, commit), timeout=_SLACK)
+    mailbox.decide.remote(version, commit)  # each worker asked for it as it joined
     if not started:
         return _not_applied(version, problems)
     closed = _close_sessions(round_, version if commit else None, deadline, problems)
@@ -209,6 +210,25 @@ def _grouped(workers: dict[str, dict[str, Any]], errors: dict[str, str]) -> list
     for worker, error in errors.items():
         by_error[error].append(str(workers.get(worker, {}).get("label", worker)))
     return [f"{', '.join(sorted(labels))}: {error}" for error, labels in by_error.items()]
+
+
+def _unjoined(reports: dict[str, Any]) -> list[str]:
+    """Engines some of whose workers did not join (each worker joins inside the
+    update_weights RPC, which returned on every engine): one that could not
+    reach the mailbox logged why, and may not raise (see ``worker``)."""
+    engines: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for who in reports["workers"].values():
+        engines[str(who.get("engine"))].append(who)
+    problems = []
+    for engine, workers in sorted(engines.items()):
+        world = int(workers[0].get("world", 1))
+        missing = sorted(set(range(world)) - {int(w.get("rank", 0)) for w in workers})
+        if missing:
+            problems.append(
+                f"engine {engine}: worker(s) {missing} of {world} did not join version "
+                "(see those workers' logs)"
+            )
+    return problems
 
 
 def _reported(reports: dict[str, Any]) -> list[str]:

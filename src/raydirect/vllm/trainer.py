@@ -160,8 +160,8 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
             self._snapshot()
             if self.publishes:
                 handle = self._publish(version)
-                put = self.mailbox.put.remote(version, info.rank, [handle])
-                ray.get(put, timeout=_left(deadline))
+                # not waited for: the workers' take waits for every rank's handle
+                self.mailbox.put.remote(version, info.rank, [handle])
                 del handle  # the mailbox and the workers hold it now
         except Exception as exc:
             if self.mailbox is not None:
@@ -177,9 +177,11 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
             error = self._drive(version, deadline)
         else:
             error = self._outcome(version, deadline)
-        error = _joined(error, self._release(version, deadline))
-        if error:
-            raise rd.WeightSyncError(error)
+        if error:  # a worker may still be reading: wait until none holds the tensors
+            raise rd.WeightSyncError(_joined(error, self._release(version, deadline)))
+        # Applied: every worker of every engine reported its reads over; the
+        # tensors are the caller's again (the last handles go in the background).
+        self._state.clear()
 
     def _snapshot(self) -> None:
         """This step's tensors. Every rank iterates (for a gathering source that is
@@ -212,8 +214,8 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
             error = drive(self._round, version, self.source.metadata(), devices, deadline)
         except Exception as exc:  # the mailbox or Ray itself failed: say so, everywhere
             error = f"version {version} was not applied: {type(exc).__name__}: {exc}"
-        with contextlib.suppress(Exception):
-            ray.get(self.mailbox.done.remote(version, error), timeout=max(_left(deadline), 1.0))
+        with contextlib.suppress(Exception):  # the other ranks wait for it, rank 0 need not
+            self.mailbox.done.remote(version, error)
         return error
 
     def _outcome(self, version: int, deadline: float) -> str:

@@ -101,6 +101,10 @@ class _Plan:
     problems: list[str] = field(default_factory=list)
 
 
+def _layout(info: RaydirectUpdateInfo) -> Layout:
+    return tuple(info.names), tuple(info.dtype_names), tuple(map(tuple, info.shapes))
+
+
 def _world() -> tuple[int, int, Any]:
     """This worker's (rank, size, CPU group) among its engine's workers."""
     try:
@@ -193,54 +197,72 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         self._open = True
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
-        """Phase one's start: survey, agree on refusals, join, receive in the background."""
-        error, info, plan = None, None, None
+        """Phase one's start: survey, agree on refusals, join, receive in the
+        background. The engine's workers talk to each other only when they must
+        agree (a new layout's refusals, an init taken from the update, a bad
+        update): every worker's state decides alike, so all of them do or none."""
         try:
             info = self.parse_update_info(update_info)
-            if self._trainer is None or info.trainer.get("name") != self._trainer.name:
-                self._init(info.trainer)  # this engine lost its init: restarted
-            plan, fresh = self._plan_for(info)
-        except Exception as exc:
-            error, fresh = _error(exc), False
-        said = _everyone((error, fresh))
-        if any(f for _e, f in said):  # a new layout: refusals are the whole engine's
-            self._agree(plan)
-        errors = [e for e, _f in said]
-        if any(errors):
-            rank, size, _group = _world()
-            self._open = rank != size - 1  # vLLM ends the session of the worker that raises
-            _raise_once("update_weights", errors)
+            key = _layout(info)
+            together = self._trainer is None or info.trainer.get("name") != self._trainer.name
+            together = together or key not in self._plans
+        except Exception as exc:  # the same update on every worker: all fail alike
+            self._end_raising([_error(exc)])
             return
-        assert info is not None and plan is not None
-        self._begin(info, plan)
+        if together:
+            error = None
+            try:
+                if self._trainer is None or info.trainer.get("name") != self._trainer.name:
+                    self._init(info.trainer)  # this engine lost its init: restarted
+                self._survey(key, info)
+            except Exception as exc:
+                error = _error(exc)
+            said = _everyone((error, self._agreed(key)))
+            errors = [e for e, _part in said]
+            if any(errors):
+                self._end_raising(errors)
+                return
+            self._agree(key, [part for _e, part in said])
+        try:
+            self._begin(info, self._plans[key])
+        except Exception as exc:  # the mailbox is gone: the trainer misses this worker's join
+            log.warning("raydirect: version %s: %s", info.version, _error(exc))
+            self._end_raising([_error(exc)])
 
+    def _end_raising(self, errors: list[str | None]) -> None:
+        """Raises ``errors`` from the engine's last worker (vLLM ends the session
+        of the worker that raises); the others return."""
+        rank, size, _group = _world()
+        if rank == size - 1 and any(errors):
+            self._open = False
+            _raise_once("update_weights", errors)
     def receive_weights(self, update_info: RaydirectUpdateInfo) -> None:
         raise rd.WeightSyncError(
             "raydirect receives in update_weights and loads in finish_weight_update: "
             "drive it through vLLM's start/update/finish calls"
         )
 
-    def _plan_for(self, info: RaydirectUpdateInfo) -> tuple[_Plan, bool]:
-        key = (tuple(info.names), tuple(info.dtype_names), tuple(map(tuple, info.shapes)))
-        plan = self._plans.get(key)
-        if plan is not None:
-            return plan, False
+    def _survey(self, key: Layout, info: RaydirectUpdateInfo) -> None:
+        if key in self._plans:
+            return
         published = [
             (n, getattr(torch, d), tuple(s))
             for n, d, s in zip(info.names, info.dtype_names, info.shapes, strict=True)
         ]
-        plan = _Plan(published, survey(self.model, published))
-        self._plans = {key: plan}  # one layout at a time is what a loop sends
+        self._plans = {key: _Plan(published, survey(self.model, published))}  # one at a time
         self._receivers = {k: r for k, r in self._receivers.items() if k == key}
-        return plan, True
 
-    def _agree(self, plan: _Plan | None) -> None:
-        """Every worker's refusals and reads of a new layout, so each refuses what
-        any refuses, and a tensor wider than what all of them read together."""
-        mine = None if plan is None else (plan.survey.problems, plan.survey.reads)
-        everyone = [m for m in _everyone(mine) if m is not None]
-        if plan is None:
-            return
+    def _agreed(self, key: Layout) -> Any:
+        """This worker's part of a new layout's agreement (None if it has no plan)."""
+        plan = self._plans.get(key)
+        return None if plan is None else (plan.survey.problems, plan.survey.reads)
+
+    def _agree(self, key: Layout, parts: list[Any]) -> None:
+        """Every worker's refusals and reads of a new layout (``parts``, gathered
+        with the errors), so each refuses what any refuses, and a tensor wider
+        than what all of them read together."""
+        plan = self._plans[key]
+        everyone = [m for m in parts if m is not None]
         problems = sorted({p for ps, _reads in everyone for p in ps})
         shapes = {n: s for n, _d, s in plan.published}
         plan.problems = problems + unread_problems(shapes, [reads for _ps, reads in everyone])
@@ -263,9 +285,11 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
             )
         ray.get(self._mailbox.join.remote(info.version, self._id, who), timeout=_SLACK)
         pending = Pending(info.version, self._id, self._mailbox, deadline, refusal)
+        # asked now, answered when rank 0 decides: finish then has it without a call
+        pending.decision = self._mailbox.decided.remote(info.version, info.seconds + 3 * _SLACK)
         earlier = [p for p in (self._pending, self._previous) if p is not None and p.running()]
         after = earlier[0] if earlier else None
-        key = (tuple(info.names), tuple(info.dtype_names), tuple(map(tuple, info.shapes)))
+        key = _layout(info)
         pending.start(lambda: self._receiver(key, plan, info.device), after)
         self._pending, self._previous = pending, None
 
@@ -290,7 +314,9 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
             return
         decision = ""
         try:
-            decision = ray.get(self._mailbox.decision.remote(pending.version), timeout=_SLACK)
+            decision = ray.get(pending.decision, timeout=_SLACK)
+            if not decision:  # the early question timed out: ask again
+                decision = ray.get(self._mailbox.decision.remote(pending.version), timeout=_SLACK)
         except Exception as exc:
             log.warning("raydirect: no decision on version %s (%s): dropped", pending.version, exc)
         if decision != "commit" or not pending.finished.is_set() or pending.error:
