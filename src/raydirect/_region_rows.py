@@ -27,9 +27,12 @@ def checked_rows(rows: Any, sources: Sequence[int], dests: Sequence[int]) -> np.
     merged where they touch on both sides. ``sources``: the region's tensor sizes
     in bytes; ``dests``: the destinations'."""
     table = _table(rows)
-    _check_bounds(table, np.asarray(sources, np.int64), np.asarray(dests, np.int64))
+    src, dst = np.asarray(sources, np.int64), np.asarray(dests, np.int64)
+    if _out_of_bounds(table, src, dst):
+        _check_bounds(table, src, dst)  # only now: which row, and why
     kept = np.flatnonzero(table[:, 2] > 0)
-    table = table[kept]
+    if len(kept) < len(table):
+        table = table[kept]
     _check_no_overlap(table, kept)
     return _merged(table)
 
@@ -48,7 +51,30 @@ def _table(rows: Any) -> np.ndarray:
         )
     if array.dtype.kind == "u" and int(array.max()) > _INT64_MAX:
         raise ValueError("a row holds a number past 2**63")
-    return array.astype(np.int64)
+    return np.asarray(array, dtype=np.int64)  # no copy of an int64 table
+
+
+def _key(high: np.ndarray, low: np.ndarray) -> np.ndarray | None:
+    """One int64 sort key ordering rows by (high, low), where both fit; else None."""
+    if len(low) and (int(low.max()) >= 1 << 40 or int(high.max()) >= 1 << 22):
+        return None
+    return (high << 40) | low
+
+
+def _order(high: np.ndarray, low: np.ndarray) -> np.ndarray:
+    key = _key(high, low)
+    return np.lexsort((low, high)) if key is None else np.argsort(key, kind="stable")
+
+
+def _out_of_bounds(table: np.ndarray, sources: np.ndarray, dests: np.ndarray) -> bool:
+    """Whether any row is out of bounds (one pass; ``_check_bounds`` says which)."""
+    if not len(table):
+        return False
+    low = table.min(0)
+    if (low < 0).any() or table[:, 0].max() >= len(sources) or table[:, 3].max() >= len(dests):
+        return True
+    tensor, offset, length, dest, at = table.T
+    return bool((offset > sources[tensor] - length).any() or (at > dests[dest] - length).any())
 
 
 def _first(bad: np.ndarray, table: np.ndarray, what: str) -> None:
@@ -82,7 +108,7 @@ def _shown(sizes: np.ndarray) -> str:
 def _check_no_overlap(table: np.ndarray, ids: np.ndarray) -> None:
     """Refuse rows writing the same destination bytes: reads run concurrently,
     and which one would land last is not defined."""
-    order = np.lexsort((table[:, 4], table[:, 3]))
+    order = _order(table[:, 3], table[:, 4])
     dest, at, length = table[order, 3], table[order, 4], table[order, 2]
     clash = (dest[1:] == dest[:-1]) & (at[1:] < at[:-1] + length[:-1])
     if clash.any():
@@ -99,7 +125,7 @@ def _merged(table: np.ndarray) -> np.ndarray:
     both sides becomes one row."""
     if len(table) < 2:
         return table
-    table = table[np.lexsort((table[:, 1], table[:, 0]))]
+    table = table[_order(table[:, 0], table[:, 1])]
     tensor, offset, length, dest, at = table.T
     joins = (
         (tensor[1:] == tensor[:-1])
