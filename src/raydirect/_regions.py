@@ -22,61 +22,37 @@ returns):
    released (their release, which checks the region, fails);
 4. transports release what they set up (``garbage_collect``).
 
-Readers notify the owner (``rd.notify_region``, ``read_ranges(notify=)``): the
-agent queues each message for ``Region.notices()`` or hands it to the
-``on_notice`` callback on a thread of its own, at once, with no polling.
+Readers notify the owner (``rd.notify_region``, ``read_ranges(notify=)``):
+the agent (``_region_serve``) queues each message for ``Region.notices()`` or
+hands it to the ``on_notice`` callback on a thread of its own, at once, with
+no polling.
 """
 
 from __future__ import annotations
 
-import collections
-import logging
-import os
 import threading
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
-from raydirect import _process, _ray, _runtime, _server, _wire
+from raydirect import _process, _ray, _runtime
+from raydirect import _region_serve as served
 from raydirect._payload import check_usable_here
 from raydirect._ranges import ByteViews
 from raydirect._region_handle import RegionHandle, encode_meta
 from raydirect._region_seals import seals
-from raydirect._server import CONTROL, DATA, Reply
+from raydirect._region_serve import OpenRegion
 from raydirect._store import Serving, StoredObject, capability_of, store
 from raydirect._tensors import UNTRACKED, describe_all, flat_bytes
-from raydirect.errors import ProducerLostError, TransferError
 from raydirect.transports import cma
 from raydirect.transports.registry import AUTO, check_name, registration, transport_instance
 
-log = logging.getLogger("raydirect")
-
-_INBOX_MAX = 1 << 16  # notices waiting for Region.notices(); more are refused
 # What readers may name: one-sided byte transports (the agent serves or the
 # reader reads alone) and one-sided plug-ins; not the groups' two-sided sends.
 _READ_BY = frozenset({AUTO, "cma", "shm", "tcp"})
-
-
-@dataclass
-class _Open:
-    """One open region, as its owner's agent sees it."""
-
-    obj: StoredObject
-    seal: int  # its slot in ``seals``
-    on_notice: Callable[[Any], None] | None
-    inbox: collections.deque[Any] = field(default_factory=collections.deque)
-    cond: threading.Condition = field(default_factory=threading.Condition)
-    # Plug-in reads prepared from it and not yet released: read id -> (transport, metadata).
-    reads: dict[str, tuple[str, Any]] = field(default_factory=dict)
-    closed: bool = False
-
-
-_open: dict[bytes, _Open] = {}
-_open_lock = threading.Lock()
 
 
 class Region:
@@ -84,7 +60,7 @@ class Region:
     ``handle()``, until ``close()`` (or this process's end). Made by
     ``rd.export_region``; usable as a context manager (closed on exit)."""
 
-    def __init__(self, state: _Open, handle: RegionHandle) -> None:
+    def __init__(self, state: OpenRegion, handle: RegionHandle) -> None:
         self._state = state
         self._handle = handle
         self._lock = threading.Lock()
@@ -167,7 +143,7 @@ class Region:
         return f"Region({self.name!r}, {count} tensors, {self.nbytes} bytes, {state})"
 
 
-def _revoke(state: _Open) -> None:
+def _revoke(state: OpenRegion) -> None:
     """Steps 1 and 2 of a close (the module's docstring): no read starts, and
     every cross-memory read in flight fails its check."""
     store.close_region(state.obj.obj_id)
@@ -177,16 +153,11 @@ def _revoke(state: _Open) -> None:
         state.cond.notify_all()  # a notices() waiter returns
 
 
-def _release(state: _Open) -> None:
+def _release(state: OpenRegion) -> None:
     """Steps 3 and 4, once no agent read is in flight."""
-    obj = state.obj
-    with state.cond:
-        reads, state.reads = state.reads, {}
-    for read_id, (name, meta) in reads.items():
-        _garbage_collect(name, read_id, meta, obj)
-    store.release(obj)
-    with _open_lock:
-        _open.pop(obj.obj_id, None)
+    served.release_reads(state)
+    store.release(state.obj)
+    served.remove(state.obj.obj_id)
 
 
 def export_region(
@@ -242,9 +213,8 @@ def export_region(
         meta=encoded,
         frames=frames,
     )
-    state = _Open(obj, slot, on_notice)
-    with _open_lock:
-        _open[obj.obj_id] = state
+    state = OpenRegion(obj, slot, on_notice)
+    served.add(state)
     store.add_region(obj)
     return Region(state, handle)
 
@@ -324,122 +294,6 @@ def _stored(
     )
 
 
-# ------------------------------------------------------------ ops served
-
-
-def _state_of(obj: StoredObject) -> _Open:
-    with _open_lock:
-        state = _open.get(obj.obj_id)
-    if state is None or state.closed:
-        raise ProducerLostError.freed_meanwhile()
-    return state
-
-
-def _serve_notice(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
-    state = _state_of(obj)
-    message = request.get("message")
-    if state.on_notice is not None:
-        dispatcher.submit(state.on_notice, message, obj.label)
-    else:
-        with state.cond:
-            if len(state.inbox) >= _INBOX_MAX:
-                raise TransferError(
-                    f"region {obj.label!r} has {_INBOX_MAX} notices nobody took: its owner "
-                    "must call region.notices()"
-                )
-            state.inbox.append(message)
-            state.cond.notify_all()
-    reply.send({"ok": True})
-
-
-def _serve_extract(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
-    """A plug-in's metadata for one read: extracted from the tensors as they are
-    now (a plug-in that stages a copy then stages the current bytes), released
-    by ``region_release`` once the read ends."""
-    state = _state_of(obj)
-    name = str(request.get("transport", ""))
-    cls = registration(name).cls
-    if cls.byte_transport or not cls.is_one_sided():
-        raise ValueError(f"{name!r} is not a one-sided plug-in transport")
-    tensors = obj.originals
-    if registration(name).data_type is np.ndarray:
-        tensors = [t.numpy() if isinstance(t, torch.Tensor) else t for t in tensors]
-    read_id = _process.new_id().hex()
-    with obj.serving():
-        meta = transport_instance(name).extract_tensor_transport_metadata(read_id, tensors)
-        with state.cond:
-            state.reads[read_id] = (name, meta)
-    frames: list[bytes] = []
-    reply.send({"ok": True, "read": read_id, "meta": _wire.encode_value(meta, frames)}, *frames)
-
-
-def _serve_release(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
-    """A plug-in read ended. Answered "lost" (by the server, or here) if the
-    region closed meanwhile: the reader then fails, whatever it read."""
-    state = _state_of(obj)
-    with state.cond:
-        found = state.reads.pop(str(request.get("read", "")), None)
-    if found is not None:
-        _garbage_collect(found[0], str(request.get("read")), found[1], obj)
-    reply.send({"ok": True})
-
-
-def _garbage_collect(name: str, read_id: str, meta: Any, obj: StoredObject) -> None:
-    try:
-        transport_instance(name).garbage_collect(read_id, meta, obj.originals)
-    except Exception:
-        log.exception("raydirect: %s garbage_collect failed for a read of %s", name, obj.label)
-
-
-class _Dispatcher:
-    """The thread that runs ``on_notice`` callbacks, in arrival order, started on
-    the first notice; it sleeps on its queue while none comes."""
-
-    def __init__(self) -> None:
-        self._queue: collections.deque[tuple[Callable[[Any], None], Any, str]] = collections.deque()
-        self._cond = threading.Condition()
-        self._thread: threading.Thread | None = None
-
-    def submit(self, fn: Callable[[Any], None], message: Any, label: str) -> None:
-        with self._cond:
-            self._queue.append((fn, message, label))
-            self._cond.notify()
-            if self._thread is None:
-                self._thread = threading.Thread(
-                    target=self._run, name="raydirect-region-notices", daemon=True
-                )
-                self._thread.start()
-
-    def _run(self) -> None:
-        while True:
-            with self._cond:
-                while not self._queue:
-                    self._cond.wait()
-                fn, message, label = self._queue.popleft()
-            try:
-                fn(message)
-            except Exception:
-                log.exception("raydirect: the on_notice callback of region %r failed", label)
-
-
-dispatcher = _Dispatcher()
-
-_server.register(_wire.REGION_NOTICE, _serve_notice, needs_object=True, lane=CONTROL)
-_server.register(_wire.REGION_EXTRACT, _serve_extract, needs_object=True, lane=DATA)
-_server.register(_wire.REGION_RELEASE, _serve_release, needs_object=True, lane=CONTROL)
-
-
-def open_regions() -> Sequence[str]:
+def open_regions() -> list[str]:
     """The names of this process's open regions (``raydirect status``, tests)."""
-    with _open_lock:
-        return [s.obj.label for s in _open.values() if not s.closed]
-
-
-def _forget_after_fork() -> None:
-    # The parent's regions are the parent's: the store forgot them too.
-    global _open, _open_lock, dispatcher
-    _process.keep_from_parent(_open, dispatcher)
-    _open, _open_lock, dispatcher = {}, threading.Lock(), _Dispatcher()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
+    return served.names()
