@@ -1,4 +1,4 @@
-"""raydirect against Ray's object store and Ray's RDT, nine workloads, one Ray session.
+"""raydirect against Ray's object store and Ray's RDT, ten workloads, one Ray session.
 
 1. actor -> actor, one tensor, 4 KiB ... 1 GiB
 2. weight sync: a 256 MiB state dict of 200 tensors to 1, 2 and 4 consumers
@@ -11,11 +11,13 @@
 9. one whole weight update of a vLLM engine (~320 MiB Llama) through the raydirect backend
    (needs vLLM: bash scripts/setup-vllm-venv.sh && .venv-vllm/bin/python benchmarks/bench.py
    --workloads 9; elsewhere its rows are skipped)
+10. ranged reads of a long-lived region: 1 MiB and 16 MiB of 8 KiB KV blocks (µs per read),
+   against one in-process copy of the same runs and a NIXL READ of them (--groups ...,nixl)
 
 Every value moved is checked. Tables (markdown, with ratios) go to stdout,
 progress lines to stderr. See benchmarks/README.md for what each row means.
 
-    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7,8,9] [--quick] [--groups ...]
+    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7,8,9,10] [--quick] [--groups ...]
                           [--json out.json] [--plot out.png]
 """
 
@@ -86,7 +88,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return f"[{full} / {quick}]"
 
     parser.add_argument(
-        "--workloads", default="1,2,3,4,5,6,7,8,9", help="which workloads to run, e.g. 1,3 [all]"
+        "--workloads", default="1,2,3,4,5,6,7,8,9,10", help="which workloads to run, e.g. 1,3 [all]"
     )
     parser.add_argument(
         "--groups",
@@ -128,7 +130,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--medium-sizes", help=f"workload 8: comma-separated sizes {default('medium_sizes')}"
     )
     parser.add_argument(
-        "--rounds", type=int, help=f"workload 8: interleaved rounds {default('rounds')}"
+        "--rounds", type=int, help=f"workloads 8, 10: interleaved rounds {default('rounds')}"
     )
     parser.add_argument(
         "--plot", metavar="PNG", help="write GB/s against size (workloads 1 and 2) here"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 CLI = [sys.executable, "-m", "raydirect.cli"]
-WORKLOADS = {1, 2, 3, 4, 5, 6, 7, 8, 9}
+WORKLOADS = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
 
 
 def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
@@ -66,6 +66,20 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
         assert {(8, system, p) for p in ("4KiB", "1MiB")} <= {
             (r["workload"], r["system"], r["param"]) for r in rows if r["skipped"] is None
         }, system
+    # workload 10: region reads over cma, shm and tcp, the objects and the floor at both
+    # sizes; NIXL's row runs only when asked for (--groups nixl), and says so here
+    for system in (
+        "raydirect region read (auto: cma)",
+        "raydirect region read, shm",
+        "raydirect region read, tcp",
+        "raydirect rd.get of an equal object",
+        "floor: one in-process copy of the same runs",
+    ):
+        assert {(10, system, p) for p in ("1MiB", "16MiB")} <= {
+            (r["workload"], r["system"], r["param"]) for r in rows if r["skipped"] is None
+        }, system
+    nixl = [r for r in rows if r["workload"] == 10 and r["system"].startswith("nixl")]
+    assert nixl and all("nixl" in (r["skipped"] or "") for r in nixl), nixl
     # workload 9 runs where vLLM is installed (.venv-vllm); here its rows say how to
     if importlib.util.find_spec("vllm") is None:
         nine = [r for r in rows if r["workload"] == 9]

@@ -23,6 +23,7 @@ NEEDS_TRANSFORMERS = pytest.mark.skipif(
         ("custom_transport.py", "files after the ref is gone: 0"),
         ("weight_sync.py", "all 4 rollouts match the trainer at every step: True"),
         ("two_sided_transport.py", "sends in the producer: 2"),
+        ("kv_region.py", "decode read every request's blocks exactly: True"),
         pytest.param(
             "weight_sync_model.py",
             "both ranks match the trainer at every step: True",
@@ -43,3 +44,5 @@ def test_example_runs(script, expected):
     assert expected in done.stdout
     if script == "custom_transport.py":
         assert "{'file': 1}" in done.stdout
+    if script == "kv_region.py":  # every block freed on decode's notices
+        assert "prefill's free blocks after the notices: 64" in done.stdout

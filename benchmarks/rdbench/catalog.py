@@ -5,6 +5,7 @@ from __future__ import annotations
 from rdbench.common import OBJECT_STORE, PLAIN_CALL, RDT_GLOO, Workload
 from rdbench.driver import to_driver
 from rdbench.medium import TWO_CALLS, medium, medium_targets
+from rdbench.regions import FLOOR_GATHER, NIXL_READ, region_reads
 from rdbench.reshard import GATHER_PUBLISH, reshard, reshard_targets
 from rdbench.vllm_update import FLOOR, NAIVE, vllm_targets, vllm_update
 from rdbench.weights import weight_api, weight_targets
@@ -89,6 +90,14 @@ WORKLOADS = {
             (NAIVE, FLOOR),
             vllm_update,
             vllm_targets,
+        ),
+        Workload(
+            10,
+            "ranged reads of a long-lived region (KV blocks), against one copy and NIXL",
+            "read",
+            "us",
+            (FLOOR_GATHER, NIXL_READ),
+            region_reads,
         ),
     ]
 }

@@ -327,7 +327,8 @@ def _serve_fetch(obj: StoredObject, request: dict[str, Any], reply: Reply) -> No
     if not isinstance(transport, ByteTransport):
         raise TransferError(f"transport {name!r} is not served by the agent")
     obj.check_unmodified()
-    store.count_sent(name, transport.serve(obj, request, reply))
+    with obj.serving():  # a region: its close waits until this read is off its memory
+        store.count_sent(name, transport.serve(obj, request, reply))
 
 
 def _serve_sent(request: dict[str, Any], reply: Reply) -> None:

@@ -10,8 +10,10 @@ one list in the request.
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -68,6 +70,31 @@ class Ranges:
         landing = ByteViews(addresses, lengths, dests.__getitem__)
         return cls(index, offset, length, count, stride, landing)
 
+    @classmethod
+    def requested(cls, rows: Any, sizes: Sequence[int]) -> Ranges:
+        """The rows a consumer sent in a request (JSON lists of five ints), checked
+        against the sizes of the object's tensors; they land nowhere yet (no
+        ``dests``). ``ValueError`` for anything else."""
+        if not isinstance(rows, list):
+            raise ValueError("the ranges are not a list of rows")
+        try:
+            table = [[int(v) for v in row] for row in rows]
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"a row is not five whole numbers: {exc}") from exc
+        if any(len(row) != 5 for row in table):
+            raise ValueError("a row is not five whole numbers")
+        ranges = cls.of_rows(table, [])
+        ranges.check_within(list(sizes))
+        return ranges
+
+    def packed(self, base: int) -> Ranges:
+        """These rows landing back to back from address ``base`` (a staging
+        buffer of ``nbytes``), in row order."""
+        sizes = self.length * self.count
+        starts = np.cumsum(sizes) - sizes
+        landing = ByteViews(base + starts, sizes, _no_views)
+        return Ranges(self.index, self.offset, self.length, self.count, self.stride, landing)
+
     @property
     def nbytes(self) -> int:
         return int((self.length * self.count).sum())
@@ -121,6 +148,29 @@ class Ranges:
             (int(self.stride[row]), 1),
             source.storage_offset() + int(self.offset[row]),
         )
+
+
+def _no_views(i: int) -> torch.Tensor:
+    raise TypeError("these ranges land at raw addresses; copy them with copy_runs")
+
+
+_COPY_SLICE = 64 << 20  # bytes copied between looks at the caller's deadline
+
+
+def copy_runs(
+    src: np.ndarray, dst: np.ndarray, length: np.ndarray, check: Callable[[], None]
+) -> None:
+    """``memmove`` each run (addresses in this process), calling ``check`` (which
+    raises to stop: a deadline, a closed gate) every ``_COPY_SLICE`` bytes."""
+    since_check = 0
+    for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
+        for pos in range(0, n, _COPY_SLICE):
+            take = min(_COPY_SLICE, n - pos)
+            ctypes.memmove(d + pos, s + pos, take)
+            since_check += take
+            if since_check >= _COPY_SLICE:
+                check()
+                since_check = 0
 
 
 class ByteViews(Sequence[torch.Tensor]):

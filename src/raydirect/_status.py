@@ -178,9 +178,10 @@ def format_table(status: Status) -> str:
             lines.append(f"{who}  alive, not answering")
             continue
         encryption = stats.get("encryption") or row.get("encryption") or "none"
-        lines.append(
-            f"{who} {stats['num_objects']:>8} {_human(stats['num_bytes']):>11} {encryption:>10}"
-        )
+        line = f"{who} {stats['num_objects']:>8} {_human(stats['num_bytes']):>11} {encryption:>10}"
+        if stats.get("num_regions"):  # regions are exported apart from objects
+            line += f"  + {stats['num_regions']} region(s), {_human(stats['region_bytes'])}"
+        lines.append(line)
         for transport in _transports(stats):
             cells = [_cell(stats, o, b, transport) for _, o, b in _COUNTS]
             lines.append(f"    {transport:<12} " + " ".join(f"{c:>20}" for c in cells))

@@ -5,6 +5,9 @@ no reference is left anywhere (the lease callback). Freeing runs on a reaper
 thread: the lease callback arrives on a Ray-internal thread and must not block
 it with transport clean-up or large deallocations.
 
+Long-lived regions (``_regions``) are kept here too, apart from objects: no
+lease frees them, their owner closes them. The agent finds either by id.
+
 The store knows no transport and no metrics: whoever cares registers a
 callback. The producer layer registers what releases transport state when an
 object is freed (``on_free``); the metrics exporter registers what starts it on
@@ -13,6 +16,7 @@ the first object or transfer (``on_first_use``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import logging
@@ -23,8 +27,9 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +38,7 @@ import torch
 from raydirect import _process
 from raydirect._ranges import ByteViews
 from raydirect._tensors import UNTRACKED, TensorMetas, storage_key
+from raydirect.errors import ProducerLostError
 
 log = logging.getLogger("raydirect")
 
@@ -70,6 +76,41 @@ class LocalStats:
     encryption: str = "none"
     """How this process's agent encrypts the bytes it serves over ``tcp``: ``none``,
     ``tls`` (TLS 1.3, user space) or ``ktls`` (kernel TLS); ``none`` until it starts."""
+    num_regions: int = 0
+    """Regions this process has exported and not closed (``rd.export_region``)."""
+    region_bytes: int = 0
+    """Tensor bytes those regions expose (the owner's own memory: nothing is copied)."""
+
+
+class Serving:
+    """The reads of a region that its owner's agent serves now (copying or sending
+    from the owner's memory: ``shm``, ``tcp``). Closing the region waits for them,
+    so that once ``close`` returns no agent thread touches that memory again."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._count = 0
+        self.closed = False
+
+    @contextmanager
+    def read(self) -> Iterator[None]:
+        """Hold the region open while serving one read; ``ProducerLostError`` once closed."""
+        with self._cond:
+            if self.closed:
+                raise ProducerLostError.freed_meanwhile()
+            self._count += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._count -= 1
+                self._cond.notify_all()
+
+    def close(self, timeout: float | None) -> bool:
+        """No read starts from now on; True once none is being served (False at ``timeout``)."""
+        with self._cond:
+            self.closed = True
+            return self._cond.wait_for(lambda: self._count == 0, timeout)
 
 
 @dataclass(slots=True)
@@ -90,6 +131,13 @@ class StoredObject:
     # Transport metadata still being prepared in the background, by transport name.
     preparing: dict[str, Future[Any]] = field(default_factory=dict)
     freed: bool = False  # set under ``lock`` before its transport state is released
+    # A region's (``_regions``): its bytes change, and closing waits for the reads
+    # served from it; None for an object (its bytes are fixed once exported).
+    live: Serving | None = None
+
+    def serving(self) -> contextlib.AbstractContextManager[None]:
+        """Around a read the agent serves from this object's memory."""
+        return nullcontext() if self.live is None else self.live.read()
 
     def check_unmodified(self) -> None:
         """Warn (once) if a tensor was written in place after it was exported
@@ -116,6 +164,7 @@ class Store:
     def __init__(self) -> None:
         self.encryption = "none"  # set by the agent runtime when the agent starts
         self._objects: dict[bytes, StoredObject] = {}
+        self._regions: dict[bytes, StoredObject] = {}
         self._lock = threading.Condition()
         # storage key -> objects holding tensors in that memory (``storage_keys``)
         self._holders: Counter[int] = Counter()
@@ -136,7 +185,9 @@ class Store:
         segments and registrations too), so they are dropped unfreed; counters
         start again; the reaper thread did not survive."""
         _process.keep_from_parent(self._objects)
+        _process.keep_from_parent(self._regions)
         self._objects = {}
+        self._regions = {}
         self._lock = threading.Condition()
         self._holders.clear()
         self._nbytes = 0
@@ -179,8 +230,34 @@ class Store:
         self._used()
 
     def get(self, obj_id: bytes) -> StoredObject | None:
+        """The object, or open region, of id ``obj_id`` held here."""
         with self._lock:
-            return self._objects.get(obj_id)
+            found = self._objects.get(obj_id)
+            return found if found is not None else self._regions.get(obj_id)
+
+    # -- regions: their owner adds and closes them (``_regions``)
+    def add_region(self, region: StoredObject) -> None:
+        with self._lock:
+            self._regions[region.obj_id] = region
+        self._used()
+
+    def close_region(self, obj_id: bytes) -> StoredObject | None:
+        """Stop serving region ``obj_id``: from now on the agent answers "lost" to
+        every request naming it. Returns it (None if it was not open)."""
+        with self._lock:
+            region = self._regions.pop(obj_id, None)
+        if region is not None:
+            with region.lock:
+                region.freed = True
+        return region
+
+    def release(self, region: StoredObject) -> None:
+        """Let every transport release what it set up for a closed region."""
+        for hook in self._free_hooks:
+            try:
+                hook(region)
+            except Exception:
+                log.exception("raydirect: releasing region %s failed", region.label)
 
     def free_later(self, obj_id: bytes) -> None:
         """Queue ``obj_id`` for freeing; safe from any thread, never blocks."""
@@ -231,8 +308,7 @@ class Store:
         """For a read a consumer reports of an object of ``nbytes`` bytes: (the
         object, if still held; its bytes), when ``capability`` is the one this
         process made for it, held or freed however long ago; else None."""
-        with self._lock:
-            obj = self._objects.get(obj_id)
+        obj = self.get(obj_id)
         if obj is not None:
             return (obj, obj.nbytes) if hmac.compare_digest(obj.capability, capability) else None
         if hmac.compare_digest(capability_of(obj_id, nbytes), capability):
@@ -309,6 +385,8 @@ class Store:
                 objects_held={k: v for k, v in self._held.items() if v},
                 bytes_held={k: v for k, v in self._held_bytes.items() if self._held[k]},
                 encryption=self.encryption,
+                num_regions=len(self._regions),
+                region_bytes=sum(r.nbytes for r in self._regions.values()),
             )
 
 

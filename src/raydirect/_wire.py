@@ -41,6 +41,9 @@ SEND = "send"  # _producer: run a two-sided plug-in's send_multiple_tensors
 STATS = "stats"  # _runtime: this process's LocalStats (no tensor data, no capability)
 GROUP_BROKEN = "group_broken"  # _group_api: a member saw the group fail
 GROUP_LEAVE = "group_leave"  # _group_api: destroy the group in this member
+REGION_NOTICE = "region_notice"  # _regions: a reader's notice to a region's owner
+REGION_EXTRACT = "region_extract"  # _regions: a plug-in's metadata for one read of a region
+REGION_RELEASE = "region_release"  # _regions: that read ended (and was it open throughout?)
 
 # Fire-and-forget: a reply would sit unread in the sender's cached channel and
 # be taken as the answer to its next request.

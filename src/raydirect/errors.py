@@ -11,7 +11,8 @@ Hierarchy::
     │       reach it and no fallback applies.
     ├── ProducerLostError
     │       raised in a consumer when the process holding an object's tensors
-    │       died, restarted, or no longer holds the object.
+    │       died, restarted, or no longer holds the object; by ``rd.read_ranges``
+    │       and ``rd.notify_region`` when a region's owner closed it or died.
     ├── GroupError
     │       raised when a collective group is misused (an actor in no group for a
     │       two-sided transport) or broken (a transfer failed inside it); the
@@ -25,7 +26,11 @@ Hierarchy::
     │       (a handle that does not fit the target, refused before a byte moves;
     │       or a transfer that failed midway, the original error chained).
     └── FetchTimeoutError (ray.exceptions.GetTimeoutError, so TimeoutError)
-            raised by ``rd.get`` when its ``timeout`` runs out.
+            raised by ``rd.get`` and ``rd.read_ranges`` when their ``timeout`` runs out.
+
+Bad arguments raise the builtins ``TypeError``/``ValueError`` at the call, before
+a byte moves (``rd.read_ranges``' rows and destinations, ``rd.export_region``'s
+tensors).
 
 ``rd.wait_tensor_freed`` raises the builtin ``TimeoutError``.
 
@@ -81,6 +86,8 @@ class ProducerLostError(RaydirectError):
 
     Raised in a consumer, within a bounded time (never a hang), naming the
     producer. The tensors are gone: re-run the producer method to make them again.
+    Raised by ``rd.read_ranges`` and ``rd.notify_region``, naming the region, once
+    its owner closed it or died (never stale or foreign bytes instead).
     In the producer, a handler the agent runs raises it when the object was freed
     while the request waited; the agent answers "lost", and the consumer raises it.
     """
@@ -90,6 +97,14 @@ class ProducerLostError(RaydirectError):
         return cls(
             f"the producer {who} {what_happened}; the object's tensors are lost. "
             "Re-run the producer to make them again."
+        )
+
+    @classmethod
+    def of_region(cls, region: str, what_happened: str) -> ProducerLostError:
+        """Raised in a reader of ``region`` (``rd.read_ranges``, ``rd.notify_region``)."""
+        return cls(
+            f"{region} is gone: {what_happened}. Its owner closed it, or died: this handle "
+            "reads nothing any more (ask the owner for a new region's handle)"
         )
 
     @classmethod
@@ -119,7 +134,7 @@ class WeightSyncError(RaydirectError):
 
 
 class FetchTimeoutError(RaydirectError, ray.exceptions.GetTimeoutError):
-    """``rd.get`` did not finish within its ``timeout``.
+    """``rd.get`` or ``rd.read_ranges`` did not finish within its ``timeout``.
 
     Subclasses ``ray.exceptions.GetTimeoutError`` (and so ``TimeoutError``), so
     code written for ``ray.get(..., timeout=...)`` catches it unchanged. Transfers

@@ -18,6 +18,8 @@ import ray
 import torch
 
 import raydirect as rd
+from raydirect import _runtime
+from raydirect.testing import wait_read_counts
 from raydirect.transports.shm import sweep_dead_segments
 
 from actors import check_value
@@ -188,6 +190,53 @@ class Reader:
 
     def stats(self) -> rd.LocalStats:
         return rd.local_stats()
+
+
+@ray.remote(num_cpus=0)
+class RegionOwner:
+    """Exports one large tensor as a region (issue 40)."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def export(self, nbytes: int, fill: int) -> rd.RegionHandle:
+        self.tensor = torch.full((nbytes,), fill, dtype=torch.uint8)
+        self.region = rd.export_region([self.tensor], name="big")
+        return self.region.handle()
+
+
+@ray.remote(num_cpus=0)
+class RegionReader:
+    """Reads a region into fresh memory (its resident size grows as bytes land),
+    reporting failures as data."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def read(self, handle: Any, transport: str | None, timeout: float) -> dict:
+        nbytes = handle.nbytes[0]
+        dest = torch.empty(nbytes, dtype=torch.uint8)  # untouched: pages appear as bytes land
+        try:
+            rd.read_ranges(
+                handle,
+                [[0, 0, nbytes, 0, 0]],
+                into=dest,
+                timeout=timeout,
+                tensor_transport=transport,
+            )
+        except Exception as exc:
+            return {"ok": False, "type": type(exc).__name__, "message": str(exc)}
+        return {"ok": True, "first": int(dest[0]), "last": int(dest[-1])}
+
+    def warm(self, handle: Any, transport: str | None) -> bool:
+        """A read, its count settled with the owner, and this process's agent up
+        (the metrics thread starts it after a first transfer) before a baseline:
+        what a process makes once exists."""
+        dest = torch.empty(handle.nbytes[0], dtype=torch.uint8)
+        rows = [[0, 0, handle.nbytes[0], 0, 0]]
+        rd.read_ranges(handle, rows, into=dest, timeout=60, tensor_transport=transport)
+        _runtime.agent()
+        return wait_read_counts(timeout=60)
 
 
 def _summary(value: Any) -> Any:

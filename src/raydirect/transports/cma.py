@@ -7,6 +7,16 @@ done by the producer, no segment. Measured here between two Ray workers:
 over the producer (same user; where Yama restricts ptrace, the producer's
 agent allows it with ``PR_SET_PTRACER_ANY`` at start). Where the kernel
 refuses, this raises ``TransportUnavailableError`` and ``auto`` uses ``shm``.
+
+A region (``rd.export_region``) is read while its owner may close it, and the
+owner may reuse the memory once ``close`` returns. Its metadata names a *seal*:
+8 bytes in the owner's memory that hold ``seal_value(id, capability)`` while the
+region is open and are zeroed by ``close`` before it returns. A read checks the
+seal before it starts (a closed region, or a handle whose id or capability is
+not the region's, reads nothing) and again after its last byte has landed, as a
+seqlock's reader does: if the seal still holds then, ``close`` had not begun
+when the last byte was read, so every byte is the region's, never memory its
+owner had handed to something else.
 """
 
 from __future__ import annotations
@@ -14,6 +24,7 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
+import hashlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -255,6 +266,25 @@ def _raise_for(got: int, who: str) -> None:
     raise TransferError(f"reading {who}'s memory failed: {os.strerror(err)}")
 
 
+def seal_value(obj_id: bytes, capability: bytes) -> int:
+    """What a region's seal holds while it is open: a digest of its id and
+    capability (never zero), so that a reader holding another fails the check."""
+    digest = hashlib.blake2b(obj_id + capability, digest_size=8, person=b"raydirect-seal")
+    return int.from_bytes(digest.digest(), "little") or 1
+
+
+def _check_seal(obj_id: bytes, pid: int, address: int, link: PeerMetadata) -> None:
+    """``ProducerLostError`` unless the seal at ``address`` in ``pid`` holds."""
+    found = np.zeros(1, dtype=np.uint64)
+    local = np.array([[found.ctypes.data, 8]], dtype=np.uint64)
+    remote = np.array([[address, 8]], dtype=np.uint64)
+    got = _readv(pid, local.ctypes.data, 1, remote.ctypes.data, 1, 0)
+    if got != 8:
+        _raise_for(got, link.who)
+    if int(found[0]) != seal_value(obj_id, link.capability):
+        raise ProducerLostError.of(link.who, "holds no such region (it was closed)")
+
+
 def _pack_addresses(addresses: np.ndarray) -> bytes:
     """Tensor addresses as the Payload carries them: each the step from the one
     before, compressed. Tensors allocated one after another lie close, so 5,000
@@ -296,11 +326,14 @@ class CmaTransport(ByteTransport):
     ) -> None:
         # A pid names the producer only while it runs: a reused pid is another process.
         link.check_alive()
+        pid, seal = link.producer.pid, extra.get("seal")
+        if seal is not None:  # a region: nothing read once it is closed
+            _check_seal(obj_id, pid, int(seal), link)
         addresses = _addresses(extra["ptrs"])
-        if _read_few(link.producer.pid, addresses, ranges, link):
-            return
-        spans = _Spans(*ranges.runs(addresses))
-        read_remote(link.producer.pid, spans, link)
+        if not _read_few(pid, addresses, ranges, link):
+            read_remote(pid, _Spans(*ranges.runs(addresses)), link)
+        if seal is not None:  # ... and nothing read while it was closing
+            _check_seal(obj_id, pid, int(seal), link)
 
 
 def _read_few(pid: int, addresses: np.ndarray, ranges: Ranges, link: PeerMetadata) -> bool:

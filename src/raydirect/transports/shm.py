@@ -6,6 +6,17 @@ copies out of it. A new segment is slow to fill the first time (tmpfs page
 allocation, 0.24-0.6 GB/s here) while rewriting one runs at 9-15 GB/s, so
 segments are pooled and reused, never made per object on a hot path.
 
+A region's bytes change between reads (``rd.export_region``), so a staged copy
+would go stale: each read of one (its metadata says ``live``) is copied by the
+owner's agent, at the read, into a pooled segment of the *reader's* (named in
+the request), only the rows asked for, back to back; the reader copies them
+out. The reader owns that segment: no release message, and a read that failed
+or gave up (its segment may still be written) discards it instead of reusing it.
+The request carries 16 random bytes the reader wrote at the segment's end, and
+the agent writes only into a segment that ends with them: a peer that cannot
+read this node's segments (another node's, holding only a region's handle)
+cannot make the agent write into a segment of anyone else's.
+
 A segment is named ``rd-<pid>-<start time>-<n>``: a process killed without
 clean-up leaves files nobody would unlink, so every process that starts an
 agent, and every consumer that finds a same-node producer dead, removes the
@@ -16,10 +27,12 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import ctypes
+import hmac
+import itertools
 import logging
 import mmap
 import os
+import secrets
 import threading
 import time
 from collections import OrderedDict
@@ -32,7 +45,7 @@ import torch
 
 from raydirect import _process
 from raydirect._channel import channel
-from raydirect._ranges import Ranges
+from raydirect._ranges import Ranges, copy_runs
 from raydirect._tensors import arena_layout
 from raydirect.errors import ProducerLostError, TransferError
 from raydirect.transports.base import ByteTransport, PeerMetadata
@@ -127,6 +140,13 @@ class SegmentPool:
                 oldest = self._idle.pop(0)
                 idle -= oldest.size
                 self._unlink(oldest.name)
+
+    def discard(self, key: bytes) -> None:
+        """Drop a segment in use for good: another process may still write it."""
+        with self._lock:
+            seg = self._used.pop(key, None)
+        if seg is not None:
+            self._unlink(seg.name)
 
     def segment_names(self) -> list[str]:
         with self._lock:
@@ -240,17 +260,21 @@ def _checked_reply(header: dict[str, Any], ranges: Ranges, who: str) -> tuple[st
     return name, size, offsets
 
 
-def _copy_runs(src: np.ndarray, dst: np.ndarray, length: np.ndarray, link: PeerMetadata) -> None:
-    """memmove each run, noticing the deadline every ``_COPY_SLICE`` bytes."""
-    since_check = 0
-    for s, d, n in zip(src.tolist(), dst.tolist(), length.tolist(), strict=True):
-        for pos in range(0, n, _COPY_SLICE):
-            take = min(_COPY_SLICE, n - pos)
-            ctypes.memmove(d + pos, s + pos, take)
-            since_check += take
-            if since_check >= _COPY_SLICE:
-                link.check_deadline()
-                since_check = 0
+_MARK = 16  # bytes of the reader's mark at its segment's end
+
+
+def _segment_named(into: Any) -> tuple[str, int, bytes]:
+    """The reader's segment a region's read names (``[name, size, mark]``),
+    refusing anything that could make the agent open another file."""
+    try:
+        name, size, mark = str(into[0]), int(into[1]), bytes.fromhex(into[2])
+    except (TypeError, ValueError, IndexError, KeyError) as exc:
+        raise ValueError(f"a bad segment in the request: {exc}") from exc
+    if not name.startswith(PREFIX) or "/" in name or name in (".", ".."):
+        raise ValueError(f"a bad segment in the request: {name!r}")
+    if size <= _MARK or len(mark) != _MARK:
+        raise ValueError("a bad segment in the request: no room for its mark")
+    return name, size, mark
 
 
 class ShmTransport(ByteTransport):
@@ -263,6 +287,8 @@ class ShmTransport(ByteTransport):
     def __init__(self) -> None:
         self._pool: SegmentPool | None = None
         self._mapped = _MappedSegments()
+        self._given = _MappedSegments()  # the readers' segments a region's reads land in
+        self._reads = itertools.count()
 
     def _segments(self) -> SegmentPool:
         if self._pool is None:
@@ -270,6 +296,8 @@ class ShmTransport(ByteTransport):
         return self._pool
 
     def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> int:
+        if "into" in request:
+            return self._serve_into(obj, request, reply)
         with obj.lock:  # consumers arriving together share one staging copy
             if obj.freed:  # after its free released its state: a segment would leak
                 raise ProducerLostError.freed_meanwhile()
@@ -285,6 +313,20 @@ class ShmTransport(ByteTransport):
         asked = request.get("nbytes")  # what the consumer copies out (all, or its ranges)
         return min(int(asked), obj.nbytes) if isinstance(asked, int) else obj.nbytes
 
+    def _serve_into(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> int:
+        """A region's read: copy the rows asked for, now, into the reader's segment."""
+        name, size, mark = _segment_named(request.get("into"))
+        ranges = Ranges.requested(request.get("ranges"), obj.buffers.lengths.tolist())
+        if ranges.nbytes > size - _MARK:
+            raise ValueError(f"the reader's segment holds {size} bytes, the rows {ranges.nbytes}")
+        view = self._given.view(name, size)
+        if not hmac.compare_digest(view[size - _MARK :].numpy().tobytes(), mark):
+            raise ValueError(f"segment {name!r} does not carry the reader's mark")
+        packed = ranges.packed(view.data_ptr())
+        copy_runs(*packed.runs(obj.buffers.addresses), lambda: None)
+        reply.send({"ok": True, "copied": ranges.nbytes})
+        return ranges.nbytes
+
     def garbage_collect(self, obj_id: bytes, meta: Any, tensors: Sequence[torch.Tensor]) -> None:
         if self._pool is not None:
             self._pool.release(obj_id)
@@ -292,6 +334,9 @@ class ShmTransport(ByteTransport):
     def receive(
         self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
     ) -> None:
+        if extra.get("live"):
+            self._receive_live(obj_id, link, ranges)
+            return
         who = link.who
         with channel(link.producer.agent_address) as ch:
             header, _ = self.ask_producer(ch, obj_id, link, nbytes=ranges.nbytes)
@@ -301,4 +346,29 @@ class ShmTransport(ByteTransport):
         except (OSError, ValueError) as exc:  # no such segment, or smaller than the reply says
             link.check_alive("died (its segment is gone)")
             raise TransferError(f"corrupt reply from {who}: segment {name!r}: {exc}") from exc
-        _copy_runs(*ranges.runs(seg.data_ptr() + offsets), link)
+        copy_runs(*ranges.runs(seg.data_ptr() + offsets), link.check_deadline)
+
+    def _receive_live(self, obj_id: bytes, link: PeerMetadata, ranges: Ranges) -> None:
+        """A region's read: the owner's agent copies the rows into a segment of
+        ours, then we copy them out (see the module's docstring)."""
+        key = f"read-{next(self._reads)}".encode()
+        pool = self._segments()
+        seg = pool.acquire(key, ranges.nbytes + _MARK)
+        mark = secrets.token_bytes(_MARK)
+        seg.view[seg.size - _MARK :] = torch.frombuffer(bytearray(mark), dtype=torch.uint8)
+        done = False
+        try:
+            with channel(link.producer.agent_address) as ch:
+                asked = {"into": [seg.name, seg.size, mark.hex()], "ranges": ranges.rows()}
+                header, _ = self.ask_producer(ch, obj_id, link, **asked)
+            if header.get("copied") != ranges.nbytes:
+                raise TransferError(f"corrupt reply from {link.who}: not the bytes asked for")
+            staged = ranges.packed(seg.view.data_ptr())
+            sizes = ranges.length * ranges.count
+            copy_runs(staged.dest_addresses(), ranges.dest_addresses(), sizes, link.check_deadline)
+            done = True
+        finally:
+            if done:
+                pool.release(key)
+            else:  # the agent may still be copying into it
+                pool.discard(key)

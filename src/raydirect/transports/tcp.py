@@ -23,7 +23,7 @@ import torch
 
 from raydirect import _stream_client, _stream_server
 from raydirect._channel import Channel, channel
-from raydirect._ranges import Ranges
+from raydirect._ranges import Ranges, copy_runs
 from raydirect.errors import TransferError
 from raydirect.transports.base import ByteTransport, PeerMetadata
 
@@ -45,15 +45,22 @@ def requested(obj: StoredObject, request: dict[str, Any]) -> Ranges | None:
     if rows is None:
         return None
     try:
-        ranges = Ranges.of_rows([[int(v) for v in row] for row in rows], [])
-        ranges.check_within(obj.buffers.lengths.tolist())
-    except (TypeError, ValueError) as exc:
+        return Ranges.requested(rows, obj.buffers.lengths.tolist())
+    except ValueError as exc:
         raise ValueError(f"bad ranges in the request: {exc}") from exc
-    return ranges
 
 
 def _sources(obj: StoredObject, ranges: Ranges | None) -> list[torch.Tensor]:
-    """The bytes to send, one flat tensor per row (strided rows gathered once)."""
+    """The bytes to send, one flat tensor per row (strided rows gathered once).
+    A region's (``obj.live``) are copied out now, while the read holds the
+    region open: its owner may reuse the memory once it closes the region, and
+    the stream sends after this returns."""
+    if obj.live is not None:
+        ranges = ranges or Ranges.of_whole(obj.buffers)
+        copied = _snapshot(obj, ranges)
+        if copied.numel() > INLINE_MAX_BYTES:
+            return [copied]  # streamed: the consumer lands it across its rows' buffers
+        return list(copied.split((ranges.length * ranges.count).tolist()))  # a frame per row
     if ranges is None:
         return list(obj.buffers)
     out = []
@@ -63,6 +70,14 @@ def _sources(obj: StoredObject, ranges: Ranges | None) -> list[torch.Tensor]:
         out.append(
             view.reshape(-1) if int(ranges.count[row]) == 1 else view.contiguous().reshape(-1)
         )
+    return out
+
+
+def _snapshot(obj: StoredObject, ranges: Ranges) -> torch.Tensor:
+    """The rows' bytes, back to back, in memory of their own."""
+    out = torch.empty(ranges.nbytes, dtype=torch.uint8)
+    packed = ranges.packed(out.data_ptr())
+    copy_runs(*packed.runs(obj.buffers.addresses), lambda: None)
     return out
 
 

@@ -96,9 +96,7 @@ class Pending:
             cause = exc.cause if exc.cause is not None else exc
             raise rd.WeightSyncError(str(cause)) from None
         except ray.exceptions.RayActorError:
-            raise rd.WeightSyncError(
-                "the trainer's mailbox is gone: trainer rank 0 died"
-            ) from None
+            raise rd.WeightSyncError("the trainer's mailbox is gone: trainer rank 0 died") from None
 
     def _receive(self, receiver: Receiver, handles: list[Any]) -> None:
         """From the ranks, or from the worker of another engine on this node that

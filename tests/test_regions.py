@@ -1,0 +1,466 @@
+"""Long-lived regions (issue 40, part 1): ``rd.export_region`` / ``rd.read_ranges``.
+
+Real Ray, real processes, real transports: an owner actor exports a paged KV
+cache (one tensor per layer), readers in other processes read blocks of every
+layer straight into their own tensors. Every value read is compared in full.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+import ray
+import region_actors
+import torch
+from ray import cloudpickle
+from region_actors import (
+    BLOCK_BYTES,
+    BLOCK_ELEMS,
+    BLOCKS,
+    LAYERS,
+    Owner,
+    RegionReader,
+    expected,
+    kv_rows,
+    layer_value,
+)
+
+import raydirect as rd
+from raydirect import _region_rows
+
+import plugin_transports
+from helpers import wait_for
+from plugin_transports import PickleShmTransport, plugin_files
+
+# Workers cannot import the tests directory: ship the actors by value.
+cloudpickle.register_pickle_by_value(region_actors)
+
+TRANSPORTS = ["auto", "cma", "shm", "tcp"]
+BLOCKS_READ = [5, 6, 7, 40, 2, 63, 0, 31, 32, 33]  # touching runs, gaps, out of order
+DEST_BLOCKS = [0, 1, 2, 3, 10, 11, 20, 21, 22, 23]
+
+
+def used(transport: str) -> str:
+    return "cma" if transport == "auto" else transport
+
+
+def forced(transport: str) -> str | None:
+    return None if transport == "auto" else transport
+
+
+@pytest.fixture(scope="module")
+def reader(ray_session):
+    r = RegionReader.remote()
+    yield r
+    ray.kill(r)
+
+
+@pytest.fixture
+def owner(ray_session):
+    o = Owner.remote()
+    yield o
+    ray.kill(o)
+
+
+def assert_read(got: list[torch.Tensor], blocks=BLOCKS_READ, dests=DEST_BLOCKS, fill=None):
+    for layer, (g, want) in enumerate(zip(got, expected(blocks, dests, fill), strict=True)):
+        assert torch.equal(g, want), f"layer {layer} differs"
+
+
+# ------------------------------------------------------------ the handle
+
+
+def test_the_handle_is_small_json_and_keeps_its_capability_out_of_repr(owner):
+    handle = ray.get(owner.handle.remote())
+    text = handle.to_json()
+    assert len(text) < 2048
+    assert rd.RegionHandle.from_json(text) == handle
+    # Inside another JSON document, as vLLM's kv_transfer_params carry it.
+    carried = json.loads(json.dumps({"params": {"region": handle.to_dict()}}))
+    assert rd.RegionHandle.of(carried["params"]["region"]) == handle
+    assert handle.capability not in repr(handle)
+    assert handle.names == tuple(f"layer{i}" for i in range(LAYERS))
+    assert handle.index("layer2") == 2
+    assert handle.nbytes == (BLOCKS * BLOCK_BYTES,) * LAYERS
+    with pytest.raises(ValueError, match="format"):
+        rd.RegionHandle.of({"v": 99})
+    with pytest.raises(ValueError, match="malformed"):
+        rd.RegionHandle.of({**handle.to_dict(), "nbytes": [-1, 2, 3]})
+
+
+# ------------------------------------------------------------ reads
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_many_rows_read_exactly(owner, reader, transport):
+    handle = ray.get(owner.handle.remote())
+    before = ray.get(reader.stats.remote()).bytes_received.get(used(transport), 0)
+    got = ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS, forced(transport)))
+    assert_read(got)
+    after = ray.get(reader.stats.remote()).bytes_received.get(used(transport), 0)
+    assert after - before == LAYERS * len(BLOCKS_READ) * BLOCK_BYTES
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_handle_as_json_reads_the_same(owner, reader, transport):
+    text = ray.get(owner.handle.remote()).to_json()
+    got = ray.get(reader.read.remote(text, BLOCKS_READ, DEST_BLOCKS, forced(transport)))
+    assert_read(got)
+
+
+def test_every_block_of_every_layer(owner, reader):
+    everything = list(range(BLOCKS))
+    handle = ray.get(owner.handle.remote())
+    got = ray.get(reader.read.remote(handle, everything, everything[::-1]))
+    assert_read(got, everything, everything[::-1])
+
+
+def test_rows_that_touch_on_both_sides_merge():
+    rows = kv_rows([4, 5, 6, 9, 10, 3], [0, 1, 2, 4, 5, 7])
+    merged = _region_rows.checked_rows(rows, [BLOCKS * BLOCK_BYTES] * LAYERS, [1 << 20] * LAYERS)
+    # Per layer: blocks 4-6 -> 0-2 (one row), 9-10 -> 4-5 (one), 3 -> 7 (one).
+    assert len(merged) == 3 * LAYERS
+    first = merged[merged[:, 0] == 0].tolist()
+    assert first == [
+        [0, 3 * BLOCK_BYTES, BLOCK_BYTES, 0, 7 * BLOCK_BYTES],
+        [0, 4 * BLOCK_BYTES, 3 * BLOCK_BYTES, 0, 0],
+        [0, 9 * BLOCK_BYTES, 2 * BLOCK_BYTES, 0, 4 * BLOCK_BYTES],
+    ]
+    # Touching in the source only (5 -> 1, 6 -> 3): not merged.
+    apart = _region_rows.checked_rows(kv_rows([5, 6], [1, 3]), [1 << 20] * 3, [1 << 20] * 3)
+    assert len(apart) == 2 * LAYERS
+    # Empty rows are dropped.
+    assert len(_region_rows.checked_rows([[0, 0, 0, 0, 0]], [8], [8])) == 0
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_owners_writes_are_seen_by_the_next_read(owner, reader, transport):
+    handle = ray.get(owner.handle.remote())
+    assert_read(ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS, forced(transport))))
+    ray.get(owner.fill.remote(3.0))
+    got = ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS, forced(transport)))
+    assert_read(got, fill=3.0)
+
+
+def test_a_read_in_the_owners_own_process(ray_session):
+    kv = [layer_value(i) for i in range(LAYERS)]
+    with rd.export_region(kv) as region:
+        dests = [torch.zeros(BLOCKS, BLOCK_ELEMS) for _ in range(LAYERS)]
+        n = rd.read_ranges(region.handle(), kv_rows(BLOCKS_READ, DEST_BLOCKS), into=dests)
+        assert n == LAYERS * len(BLOCKS_READ) * BLOCK_BYTES
+        assert_read(dests)
+        assert rd.local_stats().num_regions >= 1
+        forged = dataclasses.replace(region.handle(), capability="00" * 16)
+        with pytest.raises(rd.ProducerLostError):
+            rd.read_ranges(forged, kv_rows([0], [0]), into=dests)
+    assert region.closed
+    with pytest.raises(rd.ProducerLostError, match="region"):
+        rd.read_ranges(region.handle(), kv_rows([0], [0]), into=dests)
+
+
+def test_destinations_may_be_numpy_arrays_and_buffers(owner, reader, ray_session):
+    handle = ray.get(owner.handle.remote())
+    array = np.zeros(BLOCK_ELEMS, dtype=np.float32)
+    buffer = bytearray(BLOCK_BYTES)
+    rows = [[1, 7 * BLOCK_BYTES, BLOCK_BYTES, 0, 0], [2, 8 * BLOCK_BYTES, BLOCK_BYTES, 1, 0]]
+    assert rd.read_ranges(handle, rows, into=[array, buffer], timeout=30) == 2 * BLOCK_BYTES
+    assert np.array_equal(array, layer_value(1)[7].numpy())
+    assert np.array_equal(np.frombuffer(buffer, dtype=np.float32), layer_value(2)[8].numpy())
+
+
+# ------------------------------------------------------------ lifetime
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_read_after_close_is_producer_lost(owner, reader, transport):
+    handle = ray.get(owner.handle.remote())
+    assert_read(ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS, forced(transport))))
+    ray.get(owner.close.remote())
+    ray.get(owner.close.remote())  # twice: a no-op
+    error = ray.get(reader.read_error.remote(handle, forced(transport)))
+    kind, untouched, message = error.split("|", 2)
+    assert kind == "ProducerLostError" and "region 'kv'" in message
+    assert untouched == "True"  # nothing read from memory the owner may reuse
+    assert ray.get(owner.stats.remote()).num_regions == 0
+    with pytest.raises(rd.ProducerLostError, match="region 'kv'"):
+        ray.get(reader.notify.remote(handle, {"request": 1}))
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_no_read_returns_memory_reused_after_close(owner, transport):
+    """Reads race a close after which the owner writes poison into the memory at
+    once: every read that returned must hold the region's bytes, never poison."""
+    reader = RegionReader.remote()
+    try:
+        handle = ray.get(owner.handle.remote())
+        outcome = reader.read_until_lost.remote(handle, forced(transport))
+        wait_for(lambda: ray.get(reader.reads_done.remote()) >= 5, 60, "the reads to start")
+        ray.get(owner.close_and_poison.remote())
+        result = ray.get(outcome, timeout=120)
+        assert result["lost"] and result["ok"] >= 5
+        assert result["poisoned"] == 0
+    finally:
+        ray.kill(reader)
+
+
+@pytest.mark.parametrize("transport", ["auto", "shm", "tcp"])
+def test_a_read_after_the_owner_died_is_producer_lost(reader, transport, ray_session):
+    owner = Owner.remote()
+    handle = ray.get(owner.handle.remote())
+    assert_read(ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS, forced(transport))))
+    pid = ray.get(owner.pid.remote())
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not _running(pid), 30, f"pid {pid} to exit")
+    error = ray.get(reader.read_error.remote(handle, forced(transport), 20.0))
+    assert error.startswith("ProducerLostError|True|"), error
+    assert "region 'kv'" in error
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+# ------------------------------------------------------------ auth
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("forgery", ["capability", "region"])
+def test_a_forged_handle_reads_nothing(owner, reader, transport, forgery):
+    handle = ray.get(owner.handle.remote())
+    field = {"capability": "capability", "region": "region"}[forgery]
+    forged = dataclasses.replace(handle, **{field: "ab" * 16})
+    error = ray.get(reader.read_error.remote(forged, forced(transport)))
+    assert error.startswith("ProducerLostError|True|"), error
+    with pytest.raises(rd.ProducerLostError):
+        ray.get(reader.notify.remote(forged, "free"))
+    assert ray.get(owner.notices.remote(0)) == []
+    # The real handle still reads.
+    assert_read(ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS, forced(transport))))
+
+
+# ------------------------------------------------------------ notices
+
+
+def test_a_notice_reaches_the_owners_callback(reader, ray_session):
+    owner = Owner.remote(on_notice=True)
+    try:
+        handle = ray.get(owner.handle.remote())
+        message = {"request_id": "req-7", "blocks": [5, 6]}
+        ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS, notify=message))
+        assert ray.get(owner.wait_heard.remote(30)) == [message]
+        ray.get(reader.notify.remote(handle, "done"))
+        assert wait_for(lambda: len(ray.get(owner.wait_heard.remote(30))) == 2, 30)
+        assert ray.get(owner.wait_heard.remote(0)) == [message, "done"]
+    finally:
+        ray.kill(owner)
+
+
+def test_notices_wait_for_the_owner_without_polling(owner, reader):
+    handle = ray.get(owner.handle.remote())
+    waiting = owner.notices.remote(60)  # blocks in the owner until a notice comes
+    ready, _ = ray.wait([waiting], timeout=0.2)
+    assert not ready
+    ray.get(reader.read.remote(handle, [1], [1], notify=["free", 1]))
+    assert ray.get(waiting, timeout=60) == [["free", 1]]
+    ray.get(reader.notify.remote(handle, 2))
+    ray.get(reader.notify.remote(handle, 3))
+    assert ray.get(owner.notices.remote(0)) == [2, 3]
+    assert ray.get(owner.notices.remote(0)) == []
+
+
+def test_a_notice_must_be_json(owner, ray_session):
+    handle = ray.get(owner.handle.remote())
+    dest = torch.zeros(BLOCK_ELEMS)
+    with pytest.raises(TypeError, match="JSON"):
+        rd.read_ranges(handle, kv_rows([1], [0])[:1], into=dest, notify={1, 2})
+    with pytest.raises(ValueError, match="64 KiB|over"):
+        rd.notify_region(handle, "x" * (70 << 10))
+    assert bool((dest == 0).all())
+    assert ray.get(owner.notices.remote(0)) == []
+
+
+# ------------------------------------------------------------ deadlines, async
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_read_past_its_deadline_times_out(owner, transport, ray_session):
+    handle = ray.get(owner.handle.remote())
+    dest = torch.zeros(BLOCKS, BLOCK_ELEMS)
+    rows = kv_rows([1, 2], [1, 2])[:2]
+    pid = ray.get(owner.pid.remote())
+    os.kill(pid, signal.SIGSTOP)  # its agent answers nobody
+    try:
+        with pytest.raises(rd.FetchTimeoutError, match="region 'kv'"):
+            rd.read_ranges(handle, rows, into=dest, timeout=1.0, tensor_transport=transport)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    rd.read_ranges(handle, rows, into=dest, timeout=30, tensor_transport=transport)
+    assert torch.equal(dest[1:3], layer_value(0)[1:3])
+
+
+def test_the_async_form_keeps_the_event_loop_running(owner, ray_session):
+    handle = ray.get(owner.handle.remote())
+    pid = ray.get(owner.pid.remote())
+
+    async def main() -> tuple[int, int, str]:
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticker = asyncio.create_task(tick())
+        dests = [torch.zeros(BLOCKS, BLOCK_ELEMS) for _ in range(LAYERS)]
+        rows = kv_rows(BLOCKS_READ, DEST_BLOCKS)
+        n = await rd.read_ranges_async(handle, rows, into=dests, timeout=30)
+        assert_read(dests)
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            before = ticks
+            await rd.read_ranges_async(
+                handle, rows, into=dests, timeout=1.0, tensor_transport="tcp"
+            )
+        except rd.FetchTimeoutError as exc:
+            outcome = type(exc).__name__
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        ticker.cancel()
+        return n, ticks - before, outcome
+
+    n, ticks, outcome = asyncio.run(main())
+    assert n == LAYERS * len(BLOCKS_READ) * BLOCK_BYTES
+    assert outcome == "FetchTimeoutError"
+    assert ticks > 0  # other coroutines ran while the read waited
+
+
+# ------------------------------------------------------------ bad input
+
+
+def _bad_cases() -> list:
+    good = [1, 0, BLOCK_BYTES, 0, 0]
+    end = BLOCKS * BLOCK_BYTES
+    return [
+        pytest.param([[3, 0, 8, 0, 0]], None, ValueError, "has 3 tensors", id="no-such-tensor"),
+        pytest.param(
+            [[0, end - 4, 8, 0, 0]],
+            None,
+            ValueError,
+            "past the end of the region",
+            id="past-source",
+        ),
+        pytest.param(
+            [[0, 0, 8, 0, end]], None, ValueError, "past the end of its destination", id="past-dest"
+        ),
+        pytest.param([[0, -8, 8, 0, 0]], None, ValueError, "negative", id="negative"),
+        pytest.param([[0, 0, 8, 1, 0]], None, ValueError, "1 destinations", id="no-such-dest"),
+        pytest.param([[0, 0, 8.0, 0, 0]], None, TypeError, "whole numbers", id="floats"),
+        pytest.param([[0, 0, 8, 0]], None, ValueError, "n, 5", id="four-columns"),
+        pytest.param([good, [2, 0, 8, 0, 16]], None, ValueError, "same bytes", id="overlap"),
+        pytest.param(
+            [good], torch.zeros(4, 4).t(), ValueError, "not contiguous", id="strided-dest"
+        ),
+        pytest.param([good], torch.empty(end, device="meta"), ValueError, "meta", id="meta-dest"),
+        pytest.param([good], "a string", TypeError, "str", id="not-a-dest"),
+        pytest.param(
+            [good], np.zeros(8, np.float32)[::2], ValueError, "C-contiguous", id="np-strided"
+        ),
+        pytest.param([good], bytes(end), TypeError, "bytes", id="read-only"),
+    ]
+
+
+@pytest.mark.parametrize(("rows", "dest", "error", "match"), _bad_cases())
+def test_bad_input_is_refused_before_a_byte_moves(owner, rows, dest, error, match, ray_session):
+    handle = ray.get(owner.handle.remote())
+    target = torch.zeros(BLOCKS * BLOCK_ELEMS) if dest is None else dest
+    received = rd.local_stats().bytes_received
+    with pytest.raises(error, match=match):
+        rd.read_ranges(handle, rows, into=target, timeout=30)
+    if dest is None:
+        assert bool((target == 0).all())
+    assert rd.local_stats().bytes_received == received
+
+
+def test_bad_transports_are_refused(owner, ray_session):
+    handle = ray.get(owner.handle.remote())
+    dest = torch.zeros(BLOCK_ELEMS)
+    rows = [[0, 0, BLOCK_BYTES, 0, 0]]
+    with pytest.raises(rd.UnknownTransportError):
+        rd.read_ranges(handle, rows, into=dest, tensor_transport="carrier-pigeon")
+    with pytest.raises(ValueError, match="one-sided"):
+        rd.read_ranges(handle, rows, into=dest, tensor_transport="gloo")
+    assert bool((dest == 0).all())
+
+
+def test_export_refuses_what_it_cannot_expose(ray_session):
+    with pytest.raises(ValueError, match="not contiguous"):
+        rd.export_region([torch.zeros(4, 4).t()])
+    with pytest.raises(ValueError, match="meta"):
+        rd.export_region({"k": torch.empty(8, device="meta")})
+    with pytest.raises(ValueError, match="at least one"):
+        rd.export_region([])
+    with pytest.raises(TypeError, match="torch tensor"):
+        rd.export_region(["not a tensor"])
+    with pytest.raises(ValueError, match="one-sided"):
+        rd.export_region([torch.zeros(4)], tensor_transport="gloo")
+    with pytest.raises(TypeError, match="on_notice"):
+        rd.export_region([torch.zeros(4)], on_notice="print")
+    assert rd.local_stats().num_regions == 0
+
+
+# ------------------------------------------------------------ counters
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_reads_are_counted_on_both_sides(owner, reader, transport):
+    handle = ray.get(owner.handle.remote())
+    owner_stats = ray.get(owner.stats.remote())
+    assert (owner_stats.num_regions, owner_stats.region_bytes) == (1, LAYERS * BLOCKS * BLOCK_BYTES)
+    assert owner_stats.num_objects == 0  # a region is not an object
+    name = used(transport)
+    sent = owner_stats.bytes_sent.get(name, 0)
+    received = ray.get(reader.stats.remote()).bytes_received.get(name, 0)
+    ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS, forced(transport)))
+    assert ray.get(reader.settle.remote())  # cma's reads reach the owner by notice
+    nbytes = LAYERS * len(BLOCKS_READ) * BLOCK_BYTES
+    assert ray.get(reader.stats.remote()).bytes_received.get(name, 0) - received == nbytes
+    assert ray.get(owner.stats.remote()).bytes_sent.get(name, 0) - sent == nbytes
+
+
+# ------------------------------------------------------------ plug-ins
+
+
+def test_a_one_sided_plugin_reads_the_bytes_as_they_are(reader, ray_session):
+    """A plug-in moves whole tensors (its interface has no ranges): the owner's
+    agent extracts them for each read from the tensors as they are then, and
+    releases them (``garbage_collect``) when the read ends or the region closes."""
+    cloudpickle.register_pickle_by_value(plugin_transports)
+    rd.register_tensor_transport("pickle_shm", ["cpu"], PickleShmTransport, replace=True)
+    owner = Owner.remote("pickle_shm")
+    try:
+        handle = ray.get(owner.handle.remote())
+        assert handle.transport == "pickle_shm"
+        before = ray.get(reader.stats.remote()).objects_received.get("pickle_shm", 0)
+        assert_read(ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS)))
+        after = ray.get(reader.stats.remote()).objects_received.get("pickle_shm", 0)
+        assert after == before + 1
+        assert plugin_files() == set()  # released when the read ended
+        ray.get(owner.fill.remote(5.0))
+        assert_read(ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS)), fill=5.0)
+        ray.get(owner.close.remote())
+        error = ray.get(reader.read_error.remote(handle, None))
+        assert error.startswith("ProducerLostError|True|"), error
+        assert plugin_files() == set()
+    finally:
+        ray.kill(owner)
