@@ -100,7 +100,7 @@ def join(trainer: Trainer) -> str:
 def _connect(namespace: str | None, trainer: Trainer) -> None:
     address = os.environ.get(ADDRESS) or "auto"
     try:
-        ray.init(
+        rd.init_ray(  # vLLM seeded ``random`` alike in every worker
             address=address,
             namespace=namespace,
             logging_level=logging.WARNING,
