@@ -52,6 +52,7 @@ def test_public_names():
             "export_region",
             "get",
             "get_async",
+            "init_ray",
             "local_stats",
             "method",
             "notify_region",
