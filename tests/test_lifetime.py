@@ -16,6 +16,7 @@ from raydirect._store import store
 from raydirect.transports.registry import transport_instance
 
 from actors import Consumer, Producer, check_value
+from actors import make_value as actors_value
 from helpers import shm_segments, wait_for
 
 
@@ -23,20 +24,35 @@ def held(p) -> int:
     return ray.get(p.stats.remote()).num_objects
 
 
-def test_freed_when_last_ref_dropped(pair):
+def made(p, by: str) -> ray.ObjectRef:
+    """A direct object of the producer's (a small one would go inline): a method's
+    return (lifetime by its lease), or an ``rd.put`` made in the producer and
+    handed to the driver inside a list (lifetime by the put ref itself)."""
+    if by == "method":
+        return p.value.remote("large")
+    [ref] = ray.get(p.put.remote("large"))
+    return ref
+
+
+MADE_BY = ["method", "put"]
+
+
+@pytest.mark.parametrize("by", MADE_BY)
+def test_freed_when_last_ref_dropped(pair, by):
     p, c = pair
     wait_for(lambda: held(p) == 0, what="empty store")
-    ref = p.value.remote("large")  # a direct object (a small one would go inline)
+    ref = made(p, by)
     assert ray.get(c.check.remote("large", ref)) is None
     assert held(p) == 1
     del ref
     wait_for(lambda: held(p) == 0, what="object freed")
 
 
-def test_borrower_holding_nested_ref_keeps_object(pair):
+@pytest.mark.parametrize("by", MADE_BY)
+def test_borrower_holding_nested_ref_keeps_object(pair, by):
     p, c = pair
     wait_for(lambda: held(p) == 0, what="empty store")
-    ref = p.value.remote("large")
+    ref = made(p, by)
     ray.get(c.hold.remote([ref]))  # c borrows a nested ref
     del ref
     # The driver's ref is gone; the borrower's keeps the object alive and readable.
@@ -46,18 +62,36 @@ def test_borrower_holding_nested_ref_keeps_object(pair):
     wait_for(lambda: held(p) == 0, what="freed after the borrower dropped it")
 
 
-def test_ref_deleted_before_the_consumer_task_ran(pair):
+@pytest.mark.parametrize("by", MADE_BY)
+def test_ref_deleted_before_the_consumer_task_ran(pair, by):
     p, c = pair
+    wait_for(lambda: held(p) == 0, what="empty store")
     blocker = Consumer.options(max_concurrency=2).remote()
     gate = blocker.wait_gate.remote(60)
-    ref = p.value.remote("large")
+    ref = made(p, by)
     # The task cannot start before ``gate`` resolves; meanwhile only it holds ``ref``.
     result = c.check_after.remote("large", ref, gate)
     del ref
-    assert held(p) >= 1
+    assert held(p) == 1
     ray.get(blocker.open_gate.remote())
     assert ray.get(result) is None
+    wait_for(lambda: held(p) == 0, what="freed once the task that held it ran")
     ray.kill(blocker)
+
+
+def test_an_rd_put_in_the_driver_lives_as_long_as_its_ref_anywhere(pair):
+    """The driver owns its put ref: a borrower in another process keeps the
+    object after the driver's own ref is gone; the last one frees it here."""
+    _, c = pair
+    before = set(store._objects)
+    ref = rd.put(actors_value("large"))
+    [obj_id] = set(store._objects) - before
+    ray.get(c.hold.remote([ref]))
+    del ref
+    assert ray.get(c.check_held.remote("large")) is None
+    assert obj_id in store._objects
+    ray.get(c.drop.remote())
+    wait_for(lambda: obj_id not in store._objects, what="the driver's put freed")
 
 
 def test_same_ref_twice_in_one_task(pair):

@@ -29,6 +29,7 @@ from raydirect._into import (
 )
 from raydirect._payload import PendingFetch, get_deferred, join, split
 from raydirect._producer import export
+from raydirect._producer import put as put_payload
 from raydirect._store import LocalStats, store
 from raydirect.errors import FetchTimeoutError
 from raydirect.transports.base import WriteGate
@@ -111,7 +112,7 @@ def put(value: Any, tensor_transport: str = AUTO) -> ray.ObjectRef:
     task or driver) and travel directly to whoever gets the ref."""
     check_name(tensor_transport)
     _ray.ensure_ray()
-    return ray.put(export(value, tensor_transport, label=_ray.current_task_label() + " rd.put"))
+    return put_payload(value, tensor_transport, _ray.current_task_label() + " rd.put")
 
 
 def _async_pool() -> ThreadPoolExecutor:

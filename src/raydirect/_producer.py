@@ -22,6 +22,7 @@ from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 import numpy as np
+import ray
 import torch
 
 from raydirect import _groups, _process, _ray, _runtime, _server, _wire
@@ -190,10 +191,31 @@ def export(value: Any, transport: str, label: str | None = None, inline: bool = 
     ``auto`` travels inline (unless ``inline`` is False)."""
     check_usable_here()
     with collector_paused():  # thousands of tensors described: no collection midway
-        return _export(value, transport, label, inline)
+        return _export(value, transport, label, inline, leased=True)
 
 
-def _export(value: Any, transport: str, label: str | None, inline: bool) -> Any:
+def put(value: Any, transport: str, label: str, inline: bool = True) -> ray.ObjectRef:
+    """``rd.put``: ``ray.put`` of ``value``'s Payload, with no lease. This process
+    owns the put ref, and Ray never inlines a put object into a task spec (2.60
+    inlines puts only in local mode), so the ref's own out-of-scope callback is
+    the object's exact lifetime: no second Ray object, no pubsub."""
+    check_usable_here()
+    with collector_paused():
+        payload = _export(value, transport, label, inline, leased=False)
+    if not isinstance(payload, Payload):
+        return ray.put(payload)
+    obj_id = payload.obj_id
+    try:
+        ref = ray.put(payload)
+    except BaseException:
+        store.free(obj_id)
+        raise
+    if not _ray.add_out_of_scope_callback(ref, lambda _id: store.free_later(obj_id)):
+        store.free_later(obj_id)  # cannot happen while we hold ``ref``; stay correct anyway
+    return ref
+
+
+def _export(value: Any, transport: str, label: str | None, inline: bool, leased: bool) -> Any:
     plugin = _plugin(transport)
     label = label or _ray.current_task_label()
     parts = split(value, only=plugin.data_type if plugin is not None else None)
@@ -207,7 +229,7 @@ def _export(value: Any, transport: str, label: str | None, inline: bool) -> Any:
     obj = _stored(parts, transport, label)
     try:
         transport_meta = _extract_all(obj, transport, parts, plugin)
-        lease = leases.take(lambda: store.free_later(obj.obj_id))
+        lease = leases.take(lambda: store.free_later(obj.obj_id)) if leased else None
     except BaseException:
         store.free(obj.obj_id)
         raise

@@ -38,7 +38,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 import torch
 
 from raydirect import _ray
@@ -54,7 +53,7 @@ from raydirect._layouts import (
     placed_box,
     state_of,
 )
-from raydirect._producer import export
+from raydirect._producer import put
 from raydirect._store import store
 from raydirect._tensors import DTYPE_NAMES, aligned_offsets, torch_dtype
 from raydirect.errors import WeightSyncError
@@ -156,7 +155,7 @@ class WeightPublisher:
                     torch._foreach_copy_(slot.views, sources)
                 value = [slot.buffer]
             label = f"{_ray.current_task_label()} publish v{version}"
-            ref = ray.put(export(value, self._transport, label=label, inline=False))
+            ref = put(value, self._transport, label, inline=False)
             self._last = version
         return WeightsHandle(version, layout, ref)
 

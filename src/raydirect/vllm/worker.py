@@ -236,6 +236,7 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         if rank == size - 1 and any(errors):
             self._open = False
             _raise_once("update_weights", errors)
+
     def receive_weights(self, update_info: RaydirectUpdateInfo) -> None:
         raise rd.WeightSyncError(
             "raydirect receives in update_weights and loads in finish_weight_update: "
