@@ -7,6 +7,7 @@ Run: ./dev python examples/kv_region.py
 
 import json
 import threading
+import time
 import zlib
 
 import ray
@@ -90,5 +91,9 @@ if __name__ == "__main__":
         params = ray.get(prefill.prefill.remote(f"req-{i}", tokens))
         exact.append(ray.get(decode.receive.remote(params)))
     print(f"decode read every request's blocks exactly: {all(exact)}")
+    # Notices travel on their own, after the read returns: wait for them, bounded.
+    deadline = time.monotonic() + 30
+    while ray.get(prefill.free_blocks.remote()) < BLOCKS and time.monotonic() < deadline:
+        time.sleep(0.05)
     print(f"prefill's free blocks after the notices: {ray.get(prefill.free_blocks.remote())}")
     ray.shutdown()
