@@ -144,6 +144,10 @@ class Engine:
     def get_weight_version(self) -> str:
         return self.llm.get_weight_version()
 
+    def pid(self) -> int:
+        """This incarnation's process (a restarted engine answers with another)."""
+        return os.getpid()
+
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """Each prompt token's log-probability after the first (the engine's
         ``prompt_logprobs``, from its raw logits)."""
