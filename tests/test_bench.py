@@ -227,7 +227,16 @@ def test_vllm_targets_judge_the_stall_beside_the_update_times():
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     from rdbench.common import Row
     from rdbench.vllm_stall import Stall, record
-    from rdbench.vllm_update import FLOOR, NAIVE, RAYDIRECT, TP1, TP2, WORKER_BYTES, vllm_targets
+    from rdbench.vllm_update import (
+        FLOOR,
+        FLOOR_COPY,
+        NAIVE,
+        RAYDIRECT,
+        TP1,
+        TP2,
+        WORKER_BYTES,
+        vllm_targets,
+    )
 
     def row(system: str, point: str, ms: float, stalls: list[float]) -> Row:
         made = Row(9, system, point, 0, 1, times_s=[ms / 1e3] * 3)
@@ -241,9 +250,13 @@ def test_vllm_targets_judge_the_stall_beside_the_update_times():
         row(FLOOR, TP1, 200.0, [200.0]),
         row(RAYDIRECT, TP2, 340.0, [300.0]),  # 1.25x: missed
         row(FLOOR, TP2, 260.0, [240.0]),
+        row(FLOOR_COPY, TP2, 312.0, [290.0]),  # the bytes must move: 1.20x floor (b)
     ]
     rows[0].measured[WORKER_BYTES] = 1.0
     lines = vllm_targets(rows).splitlines()
+    update = "| raydirect / floor (b): load_weights of tensors in memory, at most 1.3x"
+    assert f"{update} | {TP1} | 1.25x | - | yes |" in lines
+    assert f"{update} | {TP2} | 1.31x | 1.20x | no |" in lines  # floor (c)'s own beside it
     stall = "| raydirect's stall / floor (b)'s stall, at most 1.2x"
     assert f"{stall} | {TP1} | 1.15x | - | yes |" in lines
     assert f"{stall} | {TP2} | 1.25x | - | no |" in lines

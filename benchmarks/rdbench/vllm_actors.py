@@ -37,6 +37,7 @@ VLLM_ENV = {
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # with the progress lines, not in the tables
 }
 STASH = "_rdbench_stash"  # the floor's tensors, kept on the worker between rounds
+SHARE = "_rdbench_share"  # floor (c)'s bytes: the worker's share, copied before (b)
 
 
 # ---------------------------------------------------------------- in the engine's workers
@@ -78,9 +79,26 @@ def reload_stash(worker: Any) -> float:
     return time.perf_counter() - start
 
 
+def stash_share(worker: Any, nbytes: int) -> int:
+    """Before floor (c)'s rounds, untimed: a buffer of this worker's share of bytes."""
+    setattr(worker, SHARE, torch.ones(nbytes, dtype=torch.uint8))
+    return nbytes
+
+
+def reload_stash_after_copy(worker: Any) -> float:
+    """(c): one copy of this worker's share into fresh memory (page faults
+    included: what receiving it costs at the least), then (b); seconds."""
+    share = getattr(worker, SHARE)
+    start = time.perf_counter()
+    torch.empty_like(share).copy_(share)
+    _reload(worker, getattr(worker, STASH))
+    return time.perf_counter() - start
+
+
 def drop_stash(worker: Any) -> None:
-    if hasattr(worker, STASH):
-        delattr(worker, STASH)
+    for name in (STASH, SHARE):
+        if hasattr(worker, name):
+            delattr(worker, name)
 
 
 def samples(worker: Any) -> dict[str, Any]:

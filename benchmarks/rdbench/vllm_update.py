@@ -93,6 +93,7 @@ SHM_FILE = "/dev/shm/rdbench-vllm-update.safetensors"
 RAYDIRECT = "raydirect backend, send_weights()"
 NAIVE = "(a) safetensors in /dev/shm, then load_weights"
 FLOOR = "floor (b): load_weights of tensors in memory"
+FLOOR_COPY = "floor (c): one copy of the worker's share, then (b)"
 SHARDED = "raydirect backend, ShardedModuleSource"
 GATHERED = "raydirect backend, ModuleSource (gathers)"
 TP1, TP2, FSDP = "tensor parallel 1", "tensor parallel 2", "FSDP2 2 ranks -> tensor parallel 1"
@@ -236,7 +237,8 @@ def vllm_update(ctx: Context) -> list[Row]:
     """Workload 9 (the module's docstring): the points one after the other, the
     systems of each in interleaved rounds."""
     quick = ctx.config.quick
-    rows = [Row(9, s, p, x, 0) for x, p in enumerate((TP1, TP2)) for s in (RAYDIRECT, NAIVE, FLOOR)]
+    systems = (RAYDIRECT, NAIVE, FLOOR, FLOOR_COPY)
+    rows = [Row(9, s, p, x, 0) for x, p in enumerate((TP1, TP2)) for s in systems]
     rows += [Row(9, s, FSDP, 2, 0) for s in (SHARDED, GATHERED)]
     missing = vllm_missing()
     if missing:
@@ -246,7 +248,7 @@ def vllm_update(ctx: Context) -> list[Row]:
     no_backend = backend_missing()
     if no_backend:
         for row in rows:
-            if row.system not in (NAIVE, FLOOR):
+            if row.system not in (NAIVE, FLOOR, FLOOR_COPY):
                 row.skipped = no_backend
     from rdbench import vllm_actors
 
@@ -335,11 +337,22 @@ def _operations(
         )
         return Update(max(seconds), start, end)
 
+    def floor_copy() -> Update:
+        seconds, start, end = window(
+            lambda: ray.get(
+                engine.rpc.remote(a.reload_stash_after_copy), timeout=TRANSFER_TIMEOUT_S
+            )
+        )
+        return Update(max(seconds), start, end)
+
     ops[NAIVE] = naive
     ops[FLOOR] = floor
-    # The floor's tensors: the trainer's file, read into each worker once, untimed.
+    ops[FLOOR_COPY] = floor_copy
+    # The floors' tensors: the trainer's file, read into each worker once, untimed;
+    # and (c)'s buffer of the bytes each worker receives in an update.
     ray.get(trainer.save.remote(SHM_FILE), timeout=SETUP_TIMEOUT_S)
     ray.get(engine.rpc.remote(a.stash_file, SHM_FILE), timeout=SETUP_TIMEOUT_S)
+    ray.get(engine.rpc.remote(a.stash_share, model.worker_bytes(tp)), timeout=SETUP_TIMEOUT_S)
     return ops
 
 
@@ -422,8 +435,11 @@ def vllm_targets(rows: Sequence[Row]) -> str:
         for mine, base, bound in TARGETS:
             a, b = ms.get((mine, point)), ms.get((base, point))
             got = a / b if a is not None and b else None
+            # beside the floor's target, floor (c)'s own ratio: the bytes must move
+            c = ms.get((FLOOR_COPY, point)) if base == FLOOR else None
+            own = c / b if c is not None and b else None
             lines.append(
-                TargetLine(f"raydirect / {base.split(',')[0]}", bound, True, point, got, None)
+                TargetLine(f"raydirect / {base.split(',')[0]}", bound, True, point, got, own)
             )
         for mine, base, bound in STALL_TARGETS:
             a, b = median_stall(by_key.get((mine, point))), median_stall(by_key.get((base, point)))
