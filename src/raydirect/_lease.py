@@ -5,9 +5,11 @@ counting (local refs, borrowers, nested refs, pending tasks) then keeps the
 lease alive exactly as long as any ref to the direct object is alive; its
 out-of-scope callback frees the producer's copy.
 
-``ray.put`` costs 0.3-0.5 ms here, a large part of a small object's round
-trip, so leases are made ahead by a background thread and a method call only
-takes one (registering the callback costs ~2 us).
+Ray 2.60 makes every ``ray.put`` a plasma object (it inlines puts only in local
+mode): measured in blocks of consecutive transfers, a lease adds 1.6-2.9 ms and
+about 4 ms of CPU (the raylet's included) to a 1 MiB transfer. Leases are made
+ahead by a background thread, so a method call only takes one (registering the
+callback costs ~2 us). ``rd.put`` takes none: the callback sits on its put ref.
 """
 
 from __future__ import annotations
