@@ -24,6 +24,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -41,6 +42,7 @@ NOTICE_TIMEOUT_S = 5.0
 # A notice for a lease this worker has not been handed yet (it may arrive a step
 # early) is kept this long.
 STRAY_NOTICE_S = 120.0
+STATUS_KEPT = 64
 
 _workers: list[KVWorker] = []  # this process's workers (status(), tests)
 
@@ -59,7 +61,9 @@ class KVWorker:
         self._done: set[str] = set()
         self._bad_blocks: set[int] = set()
         self._expired = 0
-        self._reads: list[dict[str, Any]] = []  # what each read moved (status)
+        # the last reads: what each moved, and the prefill requests whose read failed
+        self._reads: deque[dict[str, Any]] = deque(maxlen=STATUS_KEPT)
+        self._failed: deque[str] = deque(maxlen=STATUS_KEPT)
         self._pool: ThreadPoolExecutor | None = None
         _workers.append(self)
 
@@ -127,6 +131,7 @@ class KVWorker:
                 "leases": sorted(self._leases),
                 "expired": self._expired,
                 "reads": list(self._reads),
+                "failed": list(self._failed),
             }
 
     def shutdown(self) -> None:
@@ -170,6 +175,7 @@ class KVWorker:
             with self._lock:
                 self._bad_blocks.update(read.local)
                 self._done.add(read.request_id)
+                self._failed.append(read.handoff.remote_request_id)
             if not isinstance(exc, rd.ProducerLostError):
                 self._notify(read)  # let the prefill engine free them now
             return
@@ -178,6 +184,7 @@ class KVWorker:
             self._reads.append(
                 {
                     "request": read.request_id,
+                    "remote": read.handoff.remote_request_id,
                     "blocks": len(read.local),
                     "bytes": nbytes,
                     "seconds": seconds,
