@@ -95,14 +95,15 @@ class KVScheduler:
 
     # -- decode side --------------------------------------------------------
 
-    def _handoff(self, request: Request) -> Handoff | None:
-        """The request's hand-off if this engine can read it, else None (logged)."""
+    def _handoff(self, request: Request) -> tuple[Handoff | None, bool]:
+        """The request's hand-off (None: not one of ours) and whether this engine
+        can read it (logged if not: it prefills the prompt itself)."""
         params = request.kv_transfer_params or {}
         try:
             handoff = Handoff.of(params)
         except ValueError as exc:
             logger.warning("RaydirectConnector: request %s: %s", request.request_id, exc)
-            return None
+            return None, False
         problem = None
         if len(handoff.regions) != self.tp_size:
             problem = f"its prefill engine has TP {len(handoff.regions)}, this one {self.tp_size}"
@@ -112,15 +113,14 @@ class KVScheduler:
             logger.warning(
                 "RaydirectConnector: request %s is prefilled here (%s)", request.request_id, problem
             )
-            return None
-        return handoff
+        return handoff, problem is None
 
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return 0, False
-        handoff = self._handoff(request)
-        if handoff is None or handoff.seconds_left() <= 0:
+        handoff, usable = self._handoff(request)
+        if handoff is None or not usable or handoff.seconds_left() <= 0:
             return 0, False  # prefilled here; update_state_after_alloc frees P's blocks
         remote = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
         count = remote - num_computed
@@ -131,10 +131,10 @@ class KVScheduler:
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # one read per request
-        handoff = self._handoff(request)
+        handoff, usable = self._handoff(request)
         if handoff is None:
             return
-        local = blocks.get_unhashed_block_ids() if num_external > 0 else []
+        local = blocks.get_unhashed_block_ids() if num_external > 0 and usable else []
         remote = [int(b) for b in params.get("remote_block_ids") or []]
         if len(local) <= len(remote):
             remote = remote[len(remote) - len(local) :]  # what the local prefix lacks
@@ -150,7 +150,7 @@ class KVScheduler:
             return False, None
         if params.get("do_remote_prefill"):  # aborted before it read: free P's blocks
             params["do_remote_prefill"] = False
-            handoff = self._handoff(request)
+            handoff, _ = self._handoff(request)
             if handoff is not None:
                 self._reads[request.request_id] = Read(request.request_id, [], [], handoff, False)
             return False, None
@@ -209,7 +209,9 @@ class RaydirectConnector(KVConnectorBase_V1):
             self._scheduler = KVScheduler(vllm_config)
         else:
             self._worker = kv_worker.KVWorker(
-                kv_cache_config.num_blocks, get_tensor_model_parallel_rank()
+                kv_cache_config.num_blocks,
+                get_tensor_model_parallel_rank(),
+                vllm_config.parallel_config.tensor_parallel_size,
             )
 
     @property

@@ -50,9 +50,10 @@ _workers: list[KVWorker] = []  # this process's workers (status(), tests)
 class KVWorker:
     """A worker's share of the connector (module docstring)."""
 
-    def __init__(self, num_blocks: int, rank: int) -> None:
+    def __init__(self, num_blocks: int, rank: int, tp_size: int) -> None:
         self.num_blocks = num_blocks
         self.rank = rank
+        self.tp_size = tp_size
         self.layout: CacheLayout | None = None
         self.region: rd.Region | None = None
         self._lock = threading.Lock()
@@ -211,20 +212,21 @@ class KVWorker:
         )
 
     def _notify(self, read: Read) -> None:
+        """Tells the prefill engine's ranks this one speaks for (its own, at equal
+        TP) to free the request's blocks, without reading."""
         handoff = read.handoff
-        try:
-            rd.notify_region(
-                handoff.regions[self.rank],
-                {"request": handoff.remote_request_id},
-                timeout=NOTICE_TIMEOUT_S,
-            )
-        except Exception as exc:  # its lease frees the blocks anyway
-            logger.info(
-                "RaydirectConnector: could not tell the prefill engine to free request "
-                "%s's blocks (%s); its lease frees them",
-                handoff.remote_request_id,
-                exc,
-            )
+        for region in handoff.regions[self.rank :: self.tp_size]:
+            try:
+                rd.notify_region(
+                    region, {"request": handoff.remote_request_id}, timeout=NOTICE_TIMEOUT_S
+                )
+            except Exception as exc:  # its lease frees the blocks anyway
+                logger.info(
+                    "RaydirectConnector: could not tell the prefill engine to free request "
+                    "%s's blocks (%s); its lease frees them",
+                    handoff.remote_request_id,
+                    exc,
+                )
 
 
 def status() -> list[dict[str, Any]]:
