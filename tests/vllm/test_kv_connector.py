@@ -242,3 +242,60 @@ def test_the_plugin_registers_the_connector() -> None:
         KVConnectorFactory.get_connector_class_by_name("RaydirectConnector") is RaydirectConnector
     )
     raydirect.vllm.register()  # idempotent
+
+
+@pytest.fixture(scope="module")
+def tp2_engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """A prefill and a decode engine at tensor parallel 2 (two workers each, one
+    core per worker), on the same weights."""
+    path = Path(tmp_path_factory.mktemp("llama-tp2"))
+    save_llama(path, seed=0)
+    actors = {
+        name: Engine.remote(  # type: ignore[attr-defined]
+            str(path),
+            kv_transfer_config=_connector(LEASE_S),
+            block_size=BLOCK,
+            tensor_parallel_size=2,
+        )
+        for name in ("p", "d")
+    }
+    try:
+        ray.get([a.__ray_ready__.remote() for a in actors.values()], timeout=ENGINE_START_TIMEOUT_S)
+        yield actors
+    finally:
+        for actor in actors.values():
+            with contextlib.suppress(Exception):
+                ray.get(actor.shutdown.remote(), timeout=60)
+            ray.kill(actor)
+
+
+def _workers(engine: Any) -> list[dict[str, Any]]:
+    """Each worker's connector (one process per worker at TP 2), by rank."""
+
+    def read(_worker: Any) -> dict[str, Any]:
+        from raydirect.vllm import kv_connector
+
+        [worker] = kv_connector.status()["workers"]
+        return worker
+
+    return sorted(
+        ray.get(engine.collective_rpc.remote(read), timeout=CALL_S), key=lambda w: w["rank"]
+    )
+
+
+def test_tensor_parallel_2_on_both_sides(tp2_engines: dict) -> None:
+    """Each of D's ranks reads its own heads from P's rank of the same number;
+    P's ranks each free on their own notice."""
+    p, d = tp2_engines["p"], tp2_engines["d"]
+    ids = prompt(100, seed=700)
+    params = _prefill(p, ids)
+    assert len(params["raydirect"]["regions"]) == 2 and params["tp_size"] == 2
+    got = _decode(d, ids, params)
+    request = params["remote_request_id"]
+    reads = [[r for r in w["reads"] if r["remote"] == request] for w in _workers(d)]
+    assert [len(r) for r in reads] == [1, 1], reads
+    assert all(r[0]["blocks"] == 4 and r[0]["bytes"] > 0 for r in reads)
+    assert reads[0][0]["bytes"] == reads[1][0]["bytes"]
+    _until(lambda: all(not w["leases"] for w in _workers(p)), 5.0, "P's ranks free on the notices")
+    assert [w["expired"] for w in _workers(p)] == [0, 0]
+    assert got == _alone(p, ids)
