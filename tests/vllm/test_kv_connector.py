@@ -290,8 +290,11 @@ def test_tensor_parallel_2_on_both_sides(tp2_engines: dict) -> None:
     ids = prompt(100, seed=700)
     params = _prefill(p, ids)
     assert len(params["raydirect"]["regions"]) == 2 and params["tp_size"] == 2
-    got = _decode(d, ids, params)
     request = params["remote_request_id"]
+    _until(
+        lambda: all(request in w["leases"] for w in _workers(p)), 5.0, "P's ranks hold the lease"
+    )
+    got = _decode(d, ids, params)
     reads = [[r for r in w["reads"] if r["remote"] == request] for w in _workers(d)]
     assert [len(r) for r in reads] == [1, 1], reads
     assert all(r[0]["blocks"] == 4 and r[0]["bytes"] > 0 for r in reads)
