@@ -76,9 +76,9 @@ class Engine:
 
     def blocks_read(self) -> int:
         def read(_worker: Any) -> int:
-            from raydirect.vllm import kv_connector
+            from raydirect.vllm import kv_worker
 
-            return sum(r["blocks"] for w in kv_connector.status()["workers"] for r in w["reads"])
+            return sum(r["blocks"] for w in kv_worker.status() for r in w["reads"])
 
         return sum(self.llm.collective_rpc(read))
 

@@ -93,22 +93,31 @@ def _alone(engine: Any, ids: list[int]) -> list[int]:
     return _decode(engine, ids, None)
 
 
-def _status(engine: Any) -> dict[str, Any]:
-    """The engine's connectors (scheduler and worker, one process at TP 1)."""
+def _workers(engine: Any) -> list[dict[str, Any]]:
+    """Each worker's connector (``kv_worker.status()`` in each worker process), by rank."""
 
-    def read(_worker: Any) -> dict[str, Any]:
-        from raydirect.vllm import kv_connector
+    def read(_worker: Any) -> list[dict[str, Any]]:
+        from raydirect.vllm import kv_worker
 
-        return kv_connector.status()
+        return kv_worker.status()
 
-    [status] = ray.get(engine.collective_rpc.remote(read), timeout=CALL_S)
-    return status
+    ranks = ray.get(engine.collective_rpc.remote(read), timeout=CALL_S)
+    return sorted((w for rank in ranks for w in rank), key=lambda w: w["rank"])
 
 
 def _reads(engine: Any, request: str) -> list[dict[str, Any]]:
-    """D's reads of P's request ``request``."""
-    [worker] = _status(engine)["workers"]
+    """D's reads of P's request ``request`` (at TP 1)."""
+    [worker] = _workers(engine)
     return [r for r in worker["reads"] if r["remote"] == request]
+
+
+def _leases(engine: Any) -> set[str]:
+    """The requests whose blocks P's workers hold for a reader."""
+    return {r for w in _workers(engine) for r in w["leases"]}
+
+
+def _all_free(engine: Any) -> bool:
+    return bool(ray.get(engine.all_blocks_free.remote(), timeout=CALL_S))
 
 
 def _until(check: Callable[[], Any], timeout: float, what: str) -> Any:
@@ -120,12 +129,6 @@ def _until(check: Callable[[], Any], timeout: float, what: str) -> Any:
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout}s (last: {value!r})")
         time.sleep(0.1)
-
-
-def _held(engine: Any) -> list[str]:
-    """The requests whose blocks P's scheduler holds for a reader."""
-    [scheduler] = _status(engine)["schedulers"]
-    return list(scheduler["held"])
 
 
 @pytest.mark.parametrize("length", [20, 45, 100])
@@ -155,33 +158,37 @@ def test_the_kv_came_from_the_prefill_engine(engines: dict) -> None:
 
 def test_blocks_come_back_after_the_read(engines: dict) -> None:
     p, d = engines["p"], engines["d"]
-    [scheduler] = _status(p)["schedulers"]
-    free_before = scheduler["free_blocks"]
+    [before] = _workers(p)
     ids = prompt(100, seed=300)
     params = _prefill(p, ids)
     request = params["remote_request_id"]
-    assert request in _held(p)
+    _until(lambda: request in _leases(p), 5.0, "P's worker holds the lease")
+    assert not _all_free(p), "P freed the blocks before anyone read them"
     _decode(d, ids, params)
-    _until(lambda: request not in _held(p), 5.0, "P frees the blocks on D's notice")
+    _until(lambda: request not in _leases(p) and _all_free(p), 5.0, "P frees them on D's notice")
     assert time.time() < params["raydirect"]["expires_at"] - 2.0, "freed by the lease, not D"
-    [scheduler] = _status(p)["schedulers"]
-    assert scheduler["free_blocks"] == free_before
-    [worker] = _status(p)["workers"]
-    assert worker["expired"] == 0
+    [after] = _workers(p)
+    assert after["expired"] == before["expired"]
 
 
 def test_blocks_come_back_at_the_deadline(engines: dict) -> None:
     """Nobody reads: P frees the blocks when the lease ends, and a decode engine
     that comes after that prefills the prompt itself (never reads freed blocks)."""
     p, d = engines["p"], engines["d"]
+    [before] = _workers(p)
     ids = prompt(45, seed=400)
     params = _prefill(p, ids)
     request, expires_at = params["remote_request_id"], params["raydirect"]["expires_at"]
-    assert request in _held(p)
-    _until(lambda: request not in _held(p), LEASE_S + 10.0, "P frees the blocks at the deadline")
+    _until(lambda: request in _leases(p), 5.0, "P's worker holds the lease")
+    assert not _all_free(p)
+    _until(
+        lambda: request not in _leases(p) and _all_free(p),
+        LEASE_S + 10.0,
+        "P frees the blocks at the deadline",
+    )
     assert time.time() >= expires_at
-    [worker] = _status(p)["workers"]
-    assert worker["expired"] == 1
+    [after] = _workers(p)
+    assert after["expired"] == before["expired"] + 1
     assert _decode(d, ids, params) == _alone(p, ids)
     assert not _reads(d, request), "D read blocks after their lease ended"
 
@@ -216,7 +223,7 @@ def test_prefill_engine_killed_before_the_read(engines: dict) -> None:
     got = _decode(d, ids, params)
     assert time.monotonic() - started < 60.0
     assert got == _alone(engines["p"], ids)
-    [worker] = _status(d)["workers"]
+    [worker] = _workers(d)
     assert params["remote_request_id"] in worker["failed"]
 
 
@@ -267,20 +274,6 @@ def tp2_engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> 
             with contextlib.suppress(Exception):
                 ray.get(actor.shutdown.remote(), timeout=60)
             ray.kill(actor)
-
-
-def _workers(engine: Any) -> list[dict[str, Any]]:
-    """Each worker's connector (one process per worker at TP 2), by rank."""
-
-    def read(_worker: Any) -> dict[str, Any]:
-        from raydirect.vllm import kv_connector
-
-        [worker] = kv_connector.status()["workers"]
-        return worker
-
-    return sorted(
-        ray.get(engine.collective_rpc.remote(read), timeout=CALL_S), key=lambda w: w["rank"]
-    )
 
 
 def test_tensor_parallel_2_on_both_sides(tp2_engines: dict) -> None:

@@ -181,6 +181,11 @@ class Engine:
         [out] = self.llm.generate({"prompt_token_ids": token_ids}, params, use_tqdm=False)
         return list(out.outputs[0].token_ids), out.kv_transfer_params
 
+    def all_blocks_free(self) -> bool:
+        """Whether every KV block is back in the engine's pool (vLLM resets the
+        prefix cache only then; resetting it is harmless here)."""
+        return bool(self.llm.reset_prefix_cache())
+
     def shutdown(self) -> None:
         """Stops the engine's core process (killing the actor alone may orphan it)."""
         self.llm.llm_engine.engine_core.shutdown()

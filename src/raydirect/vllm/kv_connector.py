@@ -43,7 +43,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
-from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from raydirect.vllm import kv_worker
@@ -53,7 +52,6 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
-    from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
@@ -61,7 +59,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
-_schedulers: list[KVScheduler] = []  # this process's (status(), tests)
 
 
 class KVScheduler:
@@ -76,11 +73,8 @@ class KVScheduler:
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
         self.lease_s = float(transfer.get_from_extra_config("kv_lease_duration", DEFAULT_LEASE_S))
         self.handshakes: list[Handshake] = []
-        self.block_pool: BlockPool | None = None
-        self.held: dict[str, tuple[int, float]] = {}  # request -> (blocks, expiry)
         self._reads: dict[str, Read] = {}
         self._leases: dict[str, float] = {}
-        _schedulers.append(self)
 
     def set_handshakes(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         ranks = sorted(metadata)
@@ -163,7 +157,6 @@ class KVScheduler:
             return False, None  # aborted: nobody reads it
         expires_at = time.time() + self.lease_s
         self._leases[request.request_id] = expires_at
-        self.held[request.request_id] = (len(block_ids), expires_at)
         return True, handoff_params(
             request_id=request.request_id,
             engine_id=self.engine_id,
@@ -180,17 +173,6 @@ class KVScheduler:
         meta = KVMetadata(reads=list(self._reads.values()), leases=self._leases)
         self._reads, self._leases = {}, {}
         return meta
-
-    def update(self, output: KVConnectorOutput) -> None:
-        for req in output.finished_sending or ():
-            self.held.pop(req, None)
-
-    def status(self) -> dict[str, Any]:
-        pool = self.block_pool
-        return {
-            "held": sorted(self.held),
-            "free_blocks": None if pool is None else pool.get_num_free_blocks(),
-        }
 
 
 class RaydirectConnector(KVConnectorBase_V1):
@@ -262,8 +244,6 @@ class RaydirectConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
-        if self._scheduler is not None and self._scheduler in _schedulers:
-            _schedulers.remove(self._scheduler)
 
     # -- scheduler side -----------------------------------------------------
 
@@ -271,9 +251,6 @@ class RaydirectConnector(KVConnectorBase_V1):
         self, metadata: dict[int, KVConnectorHandshakeMetadata]
     ) -> None:
         self.scheduler.set_handshakes(metadata)
-
-    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
-        self.scheduler.block_pool = gpu_block_pool
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         return tuple(self._kv_cache_config.transfer_group_ids)
@@ -291,17 +268,7 @@ class RaydirectConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler.build_meta()
 
-    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self.scheduler.update(connector_output)
-
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler.finished(request, block_ids)
-
-
-def status() -> dict[str, Any]:
-    """This process's connectors: the scheduler's held requests and free blocks,
-    each worker's leases and reads (tests, debugging; call it in the engine
-    process, e.g. through ``collective_rpc``)."""
-    return {"schedulers": [s.status() for s in _schedulers], "workers": kv_worker.status()}
