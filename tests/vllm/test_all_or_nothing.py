@@ -219,9 +219,7 @@ def test_an_engine_restarted_between_updates_takes_the_next(tied: Any) -> None:
     trainer = _trainer([tied], ModuleSource(model))
     trainer.send_weights()
     ray.kill(tied, no_restart=False)  # Ray starts it again: a new engine, no init
-    wait_for(
-        lambda: _version_or_none(tied) is not None, timeout=300, what="the engine restarted"
-    )
+    wait_for(lambda: _version_or_none(tied) is not None, timeout=300, what="the engine restarted")
     after = _stepped(model, 1.2)
     trainer.send_weights()
     assert _serves(tied, _tied_state(after), **TIED) < LOGPROB_TOLERANCE
@@ -307,9 +305,7 @@ def test_a_foreign_cluster_or_namespace_is_refused_before_any_connection(
     _still_updates(tp2_engine, seed=60)
 
 
-def test_an_impostor_mailbox_never_gets_its_reply_unpickled(
-    tp2_engine: Any, tmp_path: Any
-) -> None:
+def test_an_impostor_mailbox_never_gets_its_reply_unpickled(tp2_engine: Any, tmp_path: Any) -> None:
     marker = tmp_path / "pwned"
     impostor = Impostor.options(name="impostor").remote(str(marker))  # type: ignore[attr-defined]
     ray.get(impostor.__ray_ready__.remote())

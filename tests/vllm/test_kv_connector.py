@@ -33,16 +33,19 @@ NEW_TOKENS = 8
 CALL_S = 120.0  # one generate call, at most (2 shared cores)
 
 
-def _connector(lease: float | None = None) -> dict[str, Any]:
+def _connector(lease: float | None = None, policy: str | None = None) -> dict[str, Any]:
     config: dict[str, Any] = {"kv_connector": "RaydirectConnector", "kv_role": "kv_both"}
     if lease is not None:
         config["kv_connector_extra_config"] = {"kv_lease_duration": lease}
+    if policy is not None:  # vLLM 0.32's default is "fail"
+        config["kv_load_failure_policy"] = policy
     return config
 
 
 @pytest.fixture(scope="module")
 def engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """P (weights A, a short lease), D (weights A) and Q (weights B), started
+    """P (weights A, a short lease), D (weights A, failed loads recomputed) and Q
+    (weights B), started
     together; each engine computes on a core of its own where it can."""
     paths = {}
     for name, seed in (("a", 0), ("b", 7)):
@@ -50,7 +53,7 @@ def engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
         save_llama(paths[name], seed=seed)
     specs = {
         "p": (paths["a"], "0", _connector(LEASE_S)),
-        "d": (paths["a"], "1", _connector()),
+        "d": (paths["a"], "1", _connector(policy="recompute")),
         "q": (paths["b"], "0", _connector(LEASE_S)),
     }
     actors = {
@@ -76,7 +79,7 @@ def engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
 def _prefill(engine: Any, ids: list[int]) -> dict[str, Any]:
     """P's half: prefill ``ids``, return its kv_transfer_params as a proxy would
     forward them (through JSON)."""
-    tokens, params = ray.get(
+    tokens, params, _ = ray.get(
         engine.generate_kv.remote(ids, 1, {"do_remote_decode": True}), timeout=CALL_S
     )
     assert len(tokens) == 1 and params is not None
@@ -85,7 +88,7 @@ def _prefill(engine: Any, ids: list[int]) -> dict[str, Any]:
 
 
 def _decode(engine: Any, ids: list[int], params: dict[str, Any] | None) -> list[int]:
-    tokens, _ = ray.get(engine.generate_kv.remote(ids, NEW_TOKENS, params), timeout=CALL_S)
+    tokens, _, _ = ray.get(engine.generate_kv.remote(ids, NEW_TOKENS, params), timeout=CALL_S)
     return tokens
 
 
@@ -211,8 +214,9 @@ def test_partial_prefix_hit_reads_only_the_tail(engines: dict) -> None:
 
 
 def test_prefill_engine_killed_before_the_read(engines: dict) -> None:
-    """Q dies after its prefill: D recomputes the prompt (its load failed) and
-    answers as a single engine on its own weights, within a deadline."""
+    """Q's worker (which holds its region) dies after the prefill: D's read fails
+    at once, and D (``kv_load_failure_policy="recompute"``) recomputes the prompt
+    and answers as a single engine on its own weights, within a deadline."""
     d, q = engines["d"], engines["q"]
     ids = prompt(45, seed=600)
     params = _prefill(q, ids)
@@ -295,3 +299,21 @@ def test_tensor_parallel_2_on_both_sides(tp2_engines: dict) -> None:
     _until(lambda: all(not w["leases"] for w in _workers(p)), 5.0, "P's ranks free on the notices")
     assert [w["expired"] for w in _workers(p)] == [0, 0]
     assert got == _alone(p, ids)
+
+
+def test_tensor_parallel_2_prefill_killed_fails_clearly(tp2_engines: dict) -> None:
+    """P's workers die after the prefill: D's ranks fail their reads at once, and
+    D (vLLM's default ``kv_load_failure_policy="fail"``) ends the request with an
+    error, within a deadline, with no token. The last test of P: it kills it."""
+    p, d = tp2_engines["p"], tp2_engines["d"]
+    ids = prompt(45, seed=800)
+    params = _prefill(p, ids)
+    pids = ray.get(p.collective_rpc.remote(_pid), timeout=CALL_S)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    _until(lambda: not any(_alive(pid) for pid in pids), 30.0, "P's workers exit")
+    started = time.monotonic()
+    tokens, _, reason = ray.get(d.generate_kv.remote(ids, NEW_TOKENS, params), timeout=CALL_S)
+    assert time.monotonic() - started < 60.0
+    assert (tokens, reason) == ([], "error")
+    assert all(params["remote_request_id"] in w["failed"] for w in _workers(d))

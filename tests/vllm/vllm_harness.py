@@ -169,9 +169,10 @@ class Engine:
 
     def generate_kv(
         self, token_ids: list[int], max_tokens: int, kv_transfer_params: dict | None = None
-    ) -> tuple[list[int], dict | None]:
+    ) -> tuple[list[int], dict | None, str | None]:
         """Greedy tokens, with ``kv_transfer_params`` for a KV connector (vLLM's
-        P/D protocol), and the ``kv_transfer_params`` the engine returned."""
+        P/D protocol); the ``kv_transfer_params`` the engine returned, and why the
+        request finished (``"length"``, or ``"error"``)."""
         from vllm import SamplingParams
 
         extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
@@ -179,7 +180,8 @@ class Engine:
             max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra
         )
         [out] = self.llm.generate({"prompt_token_ids": token_ids}, params, use_tqdm=False)
-        return list(out.outputs[0].token_ids), out.kv_transfer_params
+        done = out.outputs[0]
+        return list(done.token_ids), out.kv_transfer_params, done.finish_reason
 
     def all_blocks_free(self) -> bool:
         """Whether every KV block is back in the engine's pool (vLLM resets the

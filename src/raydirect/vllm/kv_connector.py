@@ -16,8 +16,8 @@ its proxies and routers drive it unchanged:
    counts what its own prefix cache lacks; its workers read exactly those blocks
    straight into the blocks vLLM just allocated, in the background, then notify
    P's worker, which frees them at its next step. A read that fails reports the
-   blocks as load errors: vLLM recomputes them (``kv_load_failure_policy``
-   ``"recompute"``, the default) or fails the request (``"fail"``).
+   blocks as load errors: vLLM fails the request (``kv_load_failure_policy``
+   ``"fail"``, vLLM 0.32's default) or recomputes them (``"recompute"``).
 3. P frees blocks nobody read when the lease ends: ``kv_lease_duration`` seconds
    in ``kv_connector_extra_config`` (30 by default, as NixlConnector's). D reads
    only while the lease has more than ``READ_MARGIN_S`` left, so it never reads
