@@ -41,7 +41,11 @@ TINY_LLAMA = {  # head_dim 32: the smallest vLLM's CPU attention takes
     "tie_word_embeddings": False,
 }
 KV_CONNECTOR = {"kv_connector": "RaydirectConnector", "kv_role": "kv_both"}
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+VLLM_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_LOGGING_LEVEL": "WARNING",
+    "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # blocks_read's collective_rpc of a function
+}
 
 
 @ray.remote(num_cpus=0)
@@ -90,7 +94,6 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     ray.init(num_cpus=2, include_dashboard=False, logging_level="warning")
-    os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"  # blocks_read's collective_rpc
     with tempfile.TemporaryDirectory() as model:
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**TINY_LLAMA)).save_pretrained(model)
