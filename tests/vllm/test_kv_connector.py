@@ -264,7 +264,7 @@ def tp2_engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> 
     actors = {
         name: Engine.remote(  # type: ignore[attr-defined]
             str(path),
-            kv_transfer_config=_connector(LEASE_S),
+            kv_transfer_config=_connector(),  # the default lease: 2 shared cores, 4 workers
             block_size=BLOCK,
             tensor_parallel_size=2,
         )
@@ -289,14 +289,14 @@ def test_tensor_parallel_2_on_both_sides(tp2_engines: dict) -> None:
     assert len(params["raydirect"]["regions"]) == 2 and params["tp_size"] == 2
     request = params["remote_request_id"]
     _until(
-        lambda: all(request in w["leases"] for w in _workers(p)), 5.0, "P's ranks hold the lease"
+        lambda: all(request in w["leases"] for w in _workers(p)), 20.0, "P's ranks hold the lease"
     )
     got = _decode(d, ids, params)
     reads = [[r for r in w["reads"] if r["remote"] == request] for w in _workers(d)]
     assert [len(r) for r in reads] == [1, 1], reads
     assert all(r[0]["blocks"] == 4 and r[0]["bytes"] > 0 for r in reads)
     assert reads[0][0]["bytes"] == reads[1][0]["bytes"]
-    _until(lambda: all(not w["leases"] for w in _workers(p)), 5.0, "P's ranks free on the notices")
+    _until(lambda: all(not w["leases"] for w in _workers(p)), 20.0, "P's ranks free on the notices")
     assert [w["expired"] for w in _workers(p)] == [0, 0]
     assert got == _alone(p, ids)
 
