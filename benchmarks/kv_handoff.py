@@ -10,6 +10,9 @@ prefix-cache hit anywhere), each of:
   read of the prompt's blocks, the last prompt token's step, the first token;
 - ``transfer``: the read alone, timed in D's worker (``rd.read_ranges`` of every
   block of every layer, and the notice);
+- ``Example``: the same hand-off through vLLM's ``ExampleConnector`` (P writes
+  each prompt's KV as safetensors files under ``/dev/shm``, D finds and loads
+  them), another pair of engines: D's ``generate`` of one token;
 - ``D prefills``: D's ``generate`` of one token of a fresh prompt with no params.
 
 Also P's CPU (its engine core and worker processes) while it holds a request's
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -51,7 +55,7 @@ ENV = {
 
 @ray.remote(num_cpus=0)
 class Engine:
-    def __init__(self, model: str, core: str, lease: float) -> None:
+    def __init__(self, model: str, core: str, kv_transfer_config: dict[str, Any]) -> None:
         os.environ.update(ENV, VLLM_CPU_OMP_THREADS_BIND=core)
         os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         from vllm import LLM
@@ -63,11 +67,7 @@ class Engine:
             max_model_len=4096,
             enforce_eager=True,
             block_size=128,
-            kv_transfer_config={
-                "kv_connector": "RaydirectConnector",
-                "kv_role": "kv_both",
-                "kv_connector_extra_config": {"kv_lease_duration": lease},
-            },
+            kv_transfer_config=kv_transfer_config,
         )
 
     def generate(self, ids: list[int], params: dict | None) -> tuple[float, dict | None]:
@@ -129,34 +129,51 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as model:
         torch.manual_seed(0)
         LlamaForCausalLM(LlamaConfig(**GEOMETRY)).save_pretrained(model)
-        p, d = Engine.remote(model, "0", 30.0), Engine.remote(model, "1", 30.0)
+        ours = {"kv_connector": "RaydirectConnector", "kv_role": "kv_both"}
+        files = tempfile.mkdtemp(dir="/dev/shm", prefix="kv-example-")
+        example = {
+            "kv_connector": "ExampleConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"shared_storage_path": files},
+        }
+        engines = [
+            Engine.remote(model, "0", ours),
+            Engine.remote(model, "1", ours),
+            Engine.remote(model, "0", example),
+            Engine.remote(model, "1", example),
+        ]
         try:
-            _run(p, d, args.rounds)
+            _run(*engines, rounds=args.rounds)
         finally:
-            ray.get([p.shutdown.remote(), d.shutdown.remote()])
+            ray.get([e.shutdown.remote() for e in engines])
+            shutil.rmtree(files, ignore_errors=True)
     ray.shutdown()
 
 
-def _run(p: Any, d: Any, rounds: int) -> None:
+def _run(p: Any, d: Any, pe: Any, de: Any, rounds: int) -> None:
     times: dict[tuple[str, int], list[float]] = {}
     seed = 0
     for n in SIZES:
         for r in range(rounds + 1):  # the first round is the cold one: not counted
-            seed += 2
-            _, params = ray.get(p.generate.remote(_prompt(n, seed), {"do_remote_decode": True}))
-            handoff, _ = ray.get(d.generate.remote(_prompt(n, seed), params))
+            seed += 3
+            ids = _prompt(n, seed)
+            _, params = ray.get(p.generate.remote(ids, {"do_remote_decode": True}))
+            handoff, _ = ray.get(d.generate.remote(ids, params))
             [read] = [
                 x for x in ray.get(d.reads.remote()) if x["remote"] == params["remote_request_id"]
             ]
             alone, _ = ray.get(d.generate.remote(_prompt(n, seed + 1), None))
+            ray.get(pe.generate.remote(_prompt(n, seed + 2), None))  # writes its KV files
+            example, _ = ray.get(de.generate.remote(_prompt(n, seed + 2), None))  # loads them
             if r:
                 times.setdefault(("hand-off", n), []).append(handoff)
                 times.setdefault(("transfer", n), []).append(read["seconds"])
+                times.setdefault(("Example", n), []).append(example)
                 times.setdefault(("D prefills", n), []).append(alone)
                 mib = read["bytes"] / 2**20
     print(f"medians over {rounds} rounds, ms ({SIZES[-1]} tokens = {mib:.0f} MiB of KV)")
     print(f"{'row':<12}" + "".join(f"{n:>10}" for n in SIZES))
-    for row in ("hand-off", "transfer", "D prefills"):
+    for row in ("hand-off", "transfer", "Example", "D prefills"):
         cells = "".join(f"{1e3 * statistics.median(times[(row, n)]):>10.1f}" for n in SIZES)
         print(f"{row:<12}{cells}")
     time.sleep(2.0)  # let the engine settle after the last round (measuring idle)
