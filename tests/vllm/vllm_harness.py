@@ -108,8 +108,8 @@ class Engine:
     that joins the Ray cluster from a worker finds it through ``RAY_ADDRESS``,
     set here to this cluster's address for them to inherit."""
 
-    def __init__(self, model: str, **llm_kwargs: Any) -> None:
-        os.environ.update(VLLM_ENV)
+    def __init__(self, model: str, env: dict[str, str] | None = None, **llm_kwargs: Any) -> None:
+        os.environ.update({**VLLM_ENV, **(env or {})})
         os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         from vllm import LLM
 
@@ -170,6 +170,31 @@ class Engine:
 
     def collective_rpc(self, method: Any, args: tuple = ()) -> list[Any]:
         return self.llm.collective_rpc(method, args=args)
+
+    def generate_kv(
+        self, token_ids: list[int], max_tokens: int, kv_transfer_params: dict | None = None
+    ) -> tuple[list[int], dict | None, str | None]:
+        """Greedy tokens, with ``kv_transfer_params`` for a KV connector (vLLM's
+        P/D protocol); the ``kv_transfer_params`` the engine returned, and why the
+        request finished (``"length"``, or ``"error"``)."""
+        from vllm import SamplingParams
+
+        extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
+        params = SamplingParams(
+            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra
+        )
+        [out] = self.llm.generate({"prompt_token_ids": token_ids}, params, use_tqdm=False)
+        done = out.outputs[0]
+        return list(done.token_ids), out.kv_transfer_params, done.finish_reason
+
+    def all_blocks_free(self) -> bool:
+        """Whether every KV block is back in the engine's pool (vLLM resets the
+        prefix cache only then; resetting it is harmless here)."""
+        return bool(self.llm.reset_prefix_cache())
+
+    def shutdown(self) -> None:
+        """Stops the engine's core process (killing the actor alone may orphan it)."""
+        self.llm.llm_engine.engine_core.shutdown()
 
 
 def start_engine(model: Path, restarts: int = 0, **llm_kwargs: Any) -> Any:

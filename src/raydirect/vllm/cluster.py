@@ -98,20 +98,40 @@ def join(trainer: Trainer) -> str:
 
 
 def _connect(namespace: str | None, trainer: Trainer) -> None:
-    address = os.environ.get(ADDRESS) or "auto"
     try:
-        rd.init_ray(  # vLLM seeded ``random`` alike in every worker
-            address=address,
-            namespace=namespace,
-            logging_level=logging.WARNING,
-            log_to_driver=False,
-        )
+        _init(namespace)
     except ConnectionError as exc:
         raise rd.WeightSyncError(
             f"raydirect: this engine is in no Ray cluster ({ADDRESS}="
             f"{os.environ.get(ADDRESS, '')!r}: {exc}). Start it with {ADDRESS} set to the "
             f"trainer's cluster (the trainer's is at {trainer.address})"
         ) from None
+
+
+def join_own() -> None:
+    """Joins this engine's own Ray cluster (once per process), with no trainer:
+    what the KV connector's workers do before they export or read a region.
+    ``RuntimeError`` naming the fix if there is none."""
+    if ray.is_initialized():
+        return
+    try:
+        _init(os.environ.get(NAMESPACE) or None)
+    except ConnectionError as exc:
+        raise RuntimeError(
+            f"raydirect: this engine is in no Ray cluster ({ADDRESS}="
+            f"{os.environ.get(ADDRESS, '')!r}: {exc}). Start a Ray cluster on this node "
+            f"(ray start --head), or set {ADDRESS} to the cluster's address; prefill and "
+            "decode engines must be in the same cluster"
+        ) from None
+
+
+def _init(namespace: str | None) -> None:
+    rd.init_ray(  # vLLM seeded ``random`` alike in every worker
+        address=os.environ.get(ADDRESS) or "auto",
+        namespace=namespace,
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+    )
 
 
 def mailbox(trainer: Trainer, namespace: str) -> Any:

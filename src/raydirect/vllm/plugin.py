@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.weight_transfer.factory import (
     WeightTransferEngineFactory,
     WeightTransferTrainerFactory,
@@ -10,10 +11,12 @@ from vllm.distributed.weight_transfer.factory import (
 from raydirect.vllm.cluster import export_ray_context
 
 BACKEND = "raydirect"
+CONNECTOR = "RaydirectConnector"
 
 
 def register() -> None:
-    """Registers ``"raydirect"`` on the worker and trainer factories; idempotent
+    """Registers ``"raydirect"`` on the worker and trainer factories, and the KV
+    connector ``"RaydirectConnector"`` on vLLM's connector factory; idempotent
     (vLLM calls general plug-ins once per process, importing this package calls it
     again). Lazy: the engines' modules load only when vLLM creates one. In a
     process connected to Ray (an engine inside a Ray actor) it also passes that
@@ -26,4 +29,8 @@ def register() -> None:
     if BACKEND not in WeightTransferTrainerFactory._registry:
         WeightTransferTrainerFactory.register_engine(
             BACKEND, "raydirect.vllm.trainer", "RaydirectTrainerWeightTransferEngine"
+        )
+    if CONNECTOR not in KVConnectorFactory._registry:
+        KVConnectorFactory.register_connector(
+            CONNECTOR, "raydirect.vllm.kv_connector", "RaydirectConnector"
         )

@@ -1,0 +1,170 @@
+"""Where each (layer, block) of a paged KV cache lies, as byte runs of a region.
+
+vLLM hands a KV connector one tensor per attention layer. How a block lies in it
+depends on the attention backend:
+
+=========================  ======================================  =================
+backend                    a layer's cache                         one block is
+=========================  ======================================  =================
+CPU                        ``[num_blocks, kv_heads, block, 2*hd]``  one run
+FlashAttention (NHD)       ``[2, num_blocks, block, kv_heads, hd]`` two runs: K, V
+FlashAttention (HND)       the same, strides permuted to           two runs: K, V
+                           ``[2, num_blocks, kv_heads, block, hd]``
+FlashInfer                 ``[num_blocks, 2, block, kv_heads, hd]`` one run
+=========================  ======================================  =================
+
+So a layer is described by where its block 0 starts in its storage, the stride
+from one block to the next, and the runs of one block (offsets within it, one
+length). A region exports each distinct storage once, as flat bytes (layers that
+share a storage, and views with any strides, need nothing more); rows then count
+bytes from the storage's start. Both engines describe their own caches: a
+prefill engine's layout travels in the hand-off's parameters, because the runs'
+offsets depend on its number of blocks (FlashAttention's V half starts
+``num_blocks`` blocks after K), while a block's runs must be the same on both
+sides (same model, same backend, same block size) or nothing is read.
+
+Pure: tensors and numpy in, numbers out; nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class LayerRuns:
+    """Block ``b`` of one layer: ``len(offsets)`` runs of ``length`` bytes at
+    ``base + b * block_stride + offset`` in the region's tensor ``tensor``."""
+
+    tensor: int
+    base: int
+    block_stride: int
+    offsets: tuple[int, ...]
+    length: int
+
+    def to_list(self) -> list[object]:
+        return [self.tensor, self.base, self.block_stride, list(self.offsets), self.length]
+
+    @classmethod
+    def from_list(cls, value: object) -> LayerRuns:
+        try:
+            fields: list[Any] = list(value)  # type: ignore[call-overload]
+            if len(fields) != 5:
+                raise ValueError("expected 5 fields")
+            offsets = tuple(int(o) for o in fields[3])
+            return cls(int(fields[0]), int(fields[1]), int(fields[2]), offsets, int(fields[4]))
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"a malformed KV layout entry {value!r}: {exc}") from None
+
+    def same_block_shape(self, other: LayerRuns) -> bool:
+        """Whether a block of ``other`` can be copied run by run into one of these."""
+        return self.length == other.length and len(self.offsets) == len(other.offsets)
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """A worker's paged caches: the flat byte tensors to export (one per distinct
+    storage) and each layer's runs in them, by layer name."""
+
+    storages: list[torch.Tensor]
+    layers: dict[str, LayerRuns]
+
+    def to_dict(self) -> dict[str, list[object]]:
+        return {name: runs.to_list() for name, runs in self.layers.items()}
+
+
+def layout_of(kv_caches: Mapping[str, torch.Tensor], num_blocks: int) -> CacheLayout:
+    """The layout of vLLM's ``kv_caches`` (``register_kv_caches``'s argument),
+    whose block dimension has ``num_blocks`` entries. ``ValueError`` for a cache
+    whose blocks cannot be found or whose innermost dimension is not dense."""
+    storages: list[torch.Tensor] = []
+    index: dict[int, int] = {}
+    layers: dict[str, LayerRuns] = {}
+    for name, cache in kv_caches.items():
+        storage = cache.untyped_storage()
+        key = storage.data_ptr()
+        if key not in index:
+            index[key] = len(storages)
+            flat = torch.empty(0, dtype=torch.uint8, device=cache.device)
+            storages.append(flat.set_(storage, 0, (storage.nbytes(),), (1,)))
+        layers[name] = _runs_of(cache, num_blocks, index[key], name)
+    return CacheLayout(storages, layers)
+
+
+def _runs_of(cache: torch.Tensor, num_blocks: int, tensor: int, name: str) -> LayerRuns:
+    item = cache.element_size()
+    dims = [d for d in range(min(2, cache.dim())) if cache.shape[d] == num_blocks]
+    if not dims:
+        raise ValueError(
+            f"KV cache of layer {name!r} has shape {tuple(cache.shape)}: no block dimension "
+            f"of {num_blocks} blocks among its first two"
+        )
+    block_dim = dims[0]
+    rest = [
+        (cache.shape[d], cache.stride(d))
+        for d in range(cache.dim())
+        if d != block_dim and cache.shape[d] > 1
+    ]
+    rest.sort(key=lambda sd: sd[1])
+    run = 1  # elements in one run: the dense innermost dimensions merged
+    while rest and rest[0][1] == run:
+        run *= rest.pop(0)[0]
+    outer = [range(0, size * stride, stride) for size, stride in reversed(rest)]
+    offsets = tuple(sorted(sum(p) * item for p in itertools.product(*outer)))
+    return LayerRuns(
+        tensor=tensor,
+        base=int(cache.storage_offset()) * item,
+        block_stride=cache.stride(block_dim) * item,
+        offsets=offsets,
+        length=run * item,
+    )
+
+
+def block_rows(
+    source: Mapping[str, LayerRuns],
+    dest: Mapping[str, LayerRuns],
+    source_blocks: Iterable[int],
+    dest_blocks: Iterable[int],
+) -> np.ndarray:
+    """``rd.read_ranges`` rows copying block ``source_blocks[i]`` of every layer of
+    ``source`` into block ``dest_blocks[i]`` of the same layer of ``dest``: one
+    row per (layer, block, run), ``(tensor, offset, length, dest, dest_offset)``.
+    ``ValueError`` if the two describe other layers or other block shapes."""
+    src = np.asarray(list(source_blocks), dtype=np.int64)
+    dst = np.asarray(list(dest_blocks), dtype=np.int64)
+    if src.shape != dst.shape:
+        raise ValueError(f"{len(src)} source blocks for {len(dst)} destination blocks")
+    if set(source) != set(dest):
+        missing = sorted(set(source) ^ set(dest))[:4]
+        raise ValueError(f"the two KV caches have other layers (e.g. {missing})")
+    tables = []
+    for name in sorted(dest):
+        theirs, ours = source[name], dest[name]
+        if not theirs.same_block_shape(ours):
+            raise ValueError(
+                f"layer {name!r}: a block is {len(theirs.offsets)} runs of {theirs.length} "
+                f"bytes there, {len(ours.offsets)} of {ours.length} here (another block "
+                "size, dtype, head count or attention backend)"
+            )
+        for src_off, dst_off in zip(theirs.offsets, ours.offsets, strict=True):
+            table = np.empty((len(src), 5), dtype=np.int64)
+            table[:, 0] = theirs.tensor
+            table[:, 1] = theirs.base + src * theirs.block_stride + src_off
+            table[:, 2] = ours.length
+            table[:, 3] = ours.tensor
+            table[:, 4] = ours.base + dst * ours.block_stride + dst_off
+            tables.append(table)
+    return np.concatenate(tables) if tables else np.empty((0, 5), dtype=np.int64)
+
+
+def layers_from_dict(value: object) -> dict[str, LayerRuns]:
+    """``CacheLayout.to_dict()``'s output, parsed back (``ValueError`` if malformed)."""
+    if not isinstance(value, dict):
+        raise ValueError(f"a KV layout is a dict of layers, got {type(value).__name__}")
+    return {str(name): LayerRuns.from_list(runs) for name, runs in value.items()}

@@ -1,0 +1,319 @@
+"""``RaydirectConnector`` between real vLLM engines: a prefill engine (P) and a
+decode engine (D) in two processes (Ray actors), driven by vLLM's standard P/D
+protocol (``kv_transfer_params``), as a proxy would.
+
+Three engines, shared by the module: P and D hold the same weights, Q other
+weights (a prefill engine whose KV, read by D, must change D's tokens; killed
+in the last test that uses it). The reference is P alone: a single engine on
+D's weights. Each test uses prompts of its own (D keeps a prefix cache)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+from ray import cloudpickle
+from vllm_harness import ENGINE_START_TIMEOUT_S, Engine, prompt, save_llama
+
+# The functions run in the engines (collective_rpc) travel by value.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+BLOCK = 32  # the CPU attention's block sizes are multiples of 32
+LEASE_S = 8.0  # P's lease on blocks nobody read (kv_lease_duration)
+NEW_TOKENS = 8
+CALL_S = 120.0  # one generate call, at most (2 shared cores)
+
+
+def _connector(lease: float | None = None, policy: str | None = None) -> dict[str, Any]:
+    config: dict[str, Any] = {"kv_connector": "RaydirectConnector", "kv_role": "kv_both"}
+    if lease is not None:
+        config["kv_connector_extra_config"] = {"kv_lease_duration": lease}
+    if policy is not None:  # vLLM 0.32's default is "fail"
+        config["kv_load_failure_policy"] = policy
+    return config
+
+
+@pytest.fixture(scope="module")
+def engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """P (weights A, a short lease), D (weights A, failed loads recomputed) and Q
+    (weights B), started
+    together; each engine computes on a core of its own where it can."""
+    paths = {}
+    for name, seed in (("a", 0), ("b", 7)):
+        paths[name] = Path(tmp_path_factory.mktemp(f"llama-{name}"))
+        save_llama(paths[name], seed=seed)
+    specs = {
+        "p": (paths["a"], "0", _connector(LEASE_S)),
+        "d": (paths["a"], "1", _connector(policy="recompute")),
+        "q": (paths["b"], "0", _connector(LEASE_S)),
+    }
+    actors = {
+        name: Engine.remote(  # type: ignore[attr-defined]
+            str(path),
+            env={"VLLM_CPU_OMP_THREADS_BIND": core},
+            kv_transfer_config=config,
+            block_size=BLOCK,
+        )
+        for name, (path, core, config) in specs.items()
+    }
+    try:
+        ray.get([a.__ray_ready__.remote() for a in actors.values()], timeout=ENGINE_START_TIMEOUT_S)
+        yield actors
+    finally:
+        for actor in actors.values():
+            # a killed engine (Q) has no core left to stop
+            with contextlib.suppress(Exception):
+                ray.get(actor.shutdown.remote(), timeout=60)
+            ray.kill(actor)
+
+
+def _prefill(engine: Any, ids: list[int]) -> dict[str, Any]:
+    """P's half: prefill ``ids``, return its kv_transfer_params as a proxy would
+    forward them (through JSON)."""
+    tokens, params, _ = ray.get(
+        engine.generate_kv.remote(ids, 1, {"do_remote_decode": True}), timeout=CALL_S
+    )
+    assert len(tokens) == 1 and params is not None
+    assert params["do_remote_prefill"] is True and params["remote_block_ids"]
+    return json.loads(json.dumps(params))
+
+
+def _decode(engine: Any, ids: list[int], params: dict[str, Any] | None) -> list[int]:
+    tokens, _, _ = ray.get(engine.generate_kv.remote(ids, NEW_TOKENS, params), timeout=CALL_S)
+    return tokens
+
+
+def _alone(engine: Any, ids: list[int]) -> list[int]:
+    return _decode(engine, ids, None)
+
+
+def _workers(engine: Any) -> list[dict[str, Any]]:
+    """Each worker's connector (``kv_worker.status()`` in each worker process), by rank."""
+
+    def read(_worker: Any) -> list[dict[str, Any]]:
+        from raydirect.vllm import kv_worker
+
+        return kv_worker.status()
+
+    ranks = ray.get(engine.collective_rpc.remote(read), timeout=CALL_S)
+    return sorted((w for rank in ranks for w in rank), key=lambda w: w["rank"])
+
+
+def _reads(engine: Any, request: str) -> list[dict[str, Any]]:
+    """D's reads of P's request ``request`` (at TP 1)."""
+    [worker] = _workers(engine)
+    return [r for r in worker["reads"] if r["remote"] == request]
+
+
+def _leases(engine: Any) -> set[str]:
+    """The requests whose blocks P's workers hold for a reader."""
+    return {r for w in _workers(engine) for r in w["leases"]}
+
+
+def _all_free(engine: Any) -> bool:
+    return bool(ray.get(engine.all_blocks_free.remote(), timeout=CALL_S))
+
+
+def _until(check: Callable[[], Any], timeout: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout}s (last: {value!r})")
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("length", [20, 45, 100])
+def test_decode_tokens_equal_a_single_engine(engines: dict, length: int) -> None:
+    p, d = engines["p"], engines["d"]
+    ids = prompt(length, seed=100 + length)
+    params = _prefill(p, ids)
+    assert len(params["remote_block_ids"]) == -(-length // BLOCK)
+    assert len(params["raydirect"]["regions"]) == 1
+    got = _decode(d, ids, params)
+    assert got == _alone(p, ids)
+    # the KV was read, every block of it, not recomputed
+    [read] = _reads(d, params["remote_request_id"])
+    assert read["blocks"] == len(params["remote_block_ids"]) and read["bytes"] > 0
+
+
+def test_the_kv_came_from_the_prefill_engine(engines: dict) -> None:
+    """Q holds other weights than D: D decoding from Q's KV answers otherwise
+    than D alone (which answers as P)."""
+    d, q = engines["d"], engines["q"]
+    ids = prompt(45, seed=200)
+    params = _prefill(q, ids)
+    mixed = _decode(d, ids, params)
+    assert _reads(d, params["remote_request_id"]), "D read nothing from Q"
+    assert mixed != _alone(engines["p"], ids)
+
+
+def test_blocks_come_back_after_the_read(engines: dict) -> None:
+    p, d = engines["p"], engines["d"]
+    [before] = _workers(p)
+    ids = prompt(100, seed=300)
+    params = _prefill(p, ids)
+    request = params["remote_request_id"]
+    _until(lambda: request in _leases(p), 5.0, "P's worker holds the lease")
+    assert not _all_free(p), "P freed the blocks before anyone read them"
+    _decode(d, ids, params)
+    _until(lambda: request not in _leases(p) and _all_free(p), 5.0, "P frees them on D's notice")
+    assert time.time() < params["raydirect"]["expires_at"] - 2.0, "freed by the lease, not D"
+    [after] = _workers(p)
+    assert after["expired"] == before["expired"]
+
+
+def test_blocks_come_back_at_the_deadline(engines: dict) -> None:
+    """Nobody reads: P frees the blocks when the lease ends, and a decode engine
+    that comes after that prefills the prompt itself (never reads freed blocks)."""
+    p, d = engines["p"], engines["d"]
+    [before] = _workers(p)
+    ids = prompt(45, seed=400)
+    params = _prefill(p, ids)
+    request, expires_at = params["remote_request_id"], params["raydirect"]["expires_at"]
+    _until(lambda: request in _leases(p), 5.0, "P's worker holds the lease")
+    assert not _all_free(p)
+    _until(
+        lambda: request not in _leases(p) and _all_free(p),
+        LEASE_S + 10.0,
+        "P frees the blocks at the deadline",
+    )
+    assert time.time() >= expires_at
+    [after] = _workers(p)
+    assert after["expired"] == before["expired"] + 1
+    assert _decode(d, ids, params) == _alone(p, ids)
+    assert not _reads(d, request), "D read blocks after their lease ended"
+
+
+def test_partial_prefix_hit_reads_only_the_tail(engines: dict) -> None:
+    p, d = engines["p"], engines["d"]
+    first = prompt(100, seed=500)
+    params = _prefill(p, first)
+    _decode(d, first, params)
+    [whole] = _reads(d, params["remote_request_id"])
+    assert whole["blocks"] == 4
+    # the same first two blocks, then another tail: D's prefix cache has 64 tokens
+    second = first[: 2 * BLOCK] + prompt(36, seed=501)
+    params = _prefill(p, second)
+    assert len(params["remote_block_ids"]) == 4
+    got = _decode(d, second, params)
+    [tail] = _reads(d, params["remote_request_id"])
+    assert tail["blocks"] == 2 and tail["bytes"] * 2 == whole["bytes"]
+    assert got == _alone(p, second)
+
+
+def test_prefill_engine_killed_before_the_read(engines: dict) -> None:
+    """Q's worker (which holds its region) dies after the prefill: D's read fails
+    at once, and D (``kv_load_failure_policy="recompute"``) recomputes the prompt
+    and answers as a single engine on its own weights, within a deadline."""
+    d, q = engines["d"], engines["q"]
+    ids = prompt(45, seed=600)
+    params = _prefill(q, ids)
+    [pid] = ray.get(q.collective_rpc.remote(_pid), timeout=CALL_S)
+    os.kill(pid, signal.SIGKILL)
+    _until(lambda: not _alive(pid), 30.0, "Q's engine core exits")
+    started = time.monotonic()
+    got = _decode(d, ids, params)
+    assert time.monotonic() - started < 60.0
+    assert got == _alone(engines["p"], ids)
+    [worker] = _workers(d)
+    assert params["remote_request_id"] in worker["failed"]
+
+
+def _pid(_worker: Any) -> int:
+    return os.getpid()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_plugin_registers_the_connector() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    import raydirect.vllm  # noqa: F401 - registers, as the entry point does
+    from raydirect.vllm.kv_connector import RaydirectConnector
+
+    assert (
+        KVConnectorFactory.get_connector_class_by_name("RaydirectConnector") is RaydirectConnector
+    )
+    raydirect.vllm.register()  # idempotent
+
+
+@pytest.fixture(scope="module")
+def tp2_engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """A prefill and a decode engine at tensor parallel 2 (two workers each, one
+    core per worker), on the same weights."""
+    path = Path(tmp_path_factory.mktemp("llama-tp2"))
+    save_llama(path, seed=0)
+    actors = {
+        name: Engine.remote(  # type: ignore[attr-defined]
+            str(path),
+            kv_transfer_config=_connector(),  # the default lease: 2 shared cores, 4 workers
+            block_size=BLOCK,
+            tensor_parallel_size=2,
+        )
+        for name in ("p", "d")
+    }
+    try:
+        ray.get([a.__ray_ready__.remote() for a in actors.values()], timeout=ENGINE_START_TIMEOUT_S)
+        yield actors
+    finally:
+        for actor in actors.values():
+            with contextlib.suppress(Exception):
+                ray.get(actor.shutdown.remote(), timeout=60)
+            ray.kill(actor)
+
+
+def test_tensor_parallel_2_on_both_sides(tp2_engines: dict) -> None:
+    """Each of D's ranks reads its own heads from P's rank of the same number;
+    P's ranks each free on their own notice."""
+    p, d = tp2_engines["p"], tp2_engines["d"]
+    ids = prompt(100, seed=700)
+    params = _prefill(p, ids)
+    assert len(params["raydirect"]["regions"]) == 2 and params["tp_size"] == 2
+    request = params["remote_request_id"]
+    _until(
+        lambda: all(request in w["leases"] for w in _workers(p)), 20.0, "P's ranks hold the lease"
+    )
+    got = _decode(d, ids, params)
+    reads = [[r for r in w["reads"] if r["remote"] == request] for w in _workers(d)]
+    assert [len(r) for r in reads] == [1, 1], reads
+    assert all(r[0]["blocks"] == 4 and r[0]["bytes"] > 0 for r in reads)
+    assert reads[0][0]["bytes"] == reads[1][0]["bytes"]
+    _until(lambda: all(not w["leases"] for w in _workers(p)), 20.0, "P's ranks free on the notices")
+    assert [w["expired"] for w in _workers(p)] == [0, 0]
+    assert got == _alone(p, ids)
+
+
+def test_tensor_parallel_2_prefill_killed_fails_clearly(tp2_engines: dict) -> None:
+    """P's workers die after the prefill: D's ranks fail their reads at once, and
+    D (vLLM's default ``kv_load_failure_policy="fail"``) ends the request with an
+    error, within a deadline, with no token. The last test of P: it kills it."""
+    p, d = tp2_engines["p"], tp2_engines["d"]
+    ids = prompt(45, seed=800)
+    params = _prefill(p, ids)
+    pids = ray.get(p.collective_rpc.remote(_pid), timeout=CALL_S)
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    _until(lambda: not any(_alive(pid) for pid in pids), 30.0, "P's workers exit")
+    started = time.monotonic()
+    tokens, _, reason = ray.get(d.generate_kv.remote(ids, NEW_TOKENS, params), timeout=CALL_S)
+    assert time.monotonic() - started < 60.0
+    assert (tokens, reason) == ([], "error")
+    assert all(params["remote_request_id"] in w["failed"] for w in _workers(d))
