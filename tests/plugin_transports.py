@@ -11,9 +11,17 @@ import numpy as np
 import torch
 
 import raydirect as rd
-from raydirect import _groups  # the test plug-in finds its group as Ray's gloo does
+from raydirect import (
+    _groups,  # the test plug-in finds its group as Ray's gloo does
+    _plugin_serve,
+)
 
 SHM_DIR = "/dev/shm"
+
+
+def sends_running(actor: object) -> int:
+    """In a producer (through ``__ray_call__``): its two-sided plug-in sends running now."""
+    return sum(len(sends) for sends in _plugin_serve._sending.values())
 
 
 def plugin_files() -> set[str]:

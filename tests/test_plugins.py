@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 
@@ -12,6 +13,7 @@ import torch
 from ray import cloudpickle
 
 import raydirect as rd
+from raydirect import testing
 
 import plugin_transports
 from actors import Producer, check_value
@@ -269,6 +271,35 @@ def test_a_two_sided_plugin_registered_after_the_actors_exist(gloo_pair):
         lambda: {f for f in plugin_files() if f.startswith("rdplug-gc-")} - gc_files,
         what="garbage_collect in the producer",
     )
+
+
+def test_a_send_still_running_when_its_object_is_freed_is_aborted(ray_session):
+    """A consumer killed in the middle of a two-sided receive sends no abort: once
+    the last ref is gone, the free aborts the producer's send, which would
+    otherwise hang until the plug-in's own timeout, holding a plug-in lane."""
+    cloudpickle.register_pickle_by_value(plugin_transports)
+    p, c = testing.Member.remote(), testing.Member.remote()
+    group = rd.create_collective_group([p, c], backend="gloo")
+    name = "gloo_plugin-hang-freed"
+    hanging = testing.failing(plugin_transports.GlooPlugin, "hang")
+    rd.register_tensor_transport(name, ["cpu"], hanging, replace=True)
+
+    def running() -> int:
+        return ray.get(p.__ray_call__.remote(plugin_transports.sends_running), timeout=30)
+
+    try:
+        [ref] = ray.get(p.put.remote("dtypes", name, torch.Tensor))
+        c.read_error.remote([ref], None)  # no deadline: it waits in its receive
+        wait_for(lambda: running() == 1, what="the producer's send running")
+        ray.kill(c)  # gone without a word: no abort comes from it
+        del ref
+        wait_for(lambda: ray.get(p.aborts.remote()) == 1, what="the send aborted by the free")
+        assert running() == 0
+    finally:
+        ray.kill(p)
+        ray.kill(c)
+        with contextlib.suppress(Exception):
+            rd.destroy_collective_group(group)
 
 
 def test_a_two_sided_receive_that_fails_names_the_transport(gloo_pair):

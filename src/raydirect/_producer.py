@@ -4,21 +4,20 @@
 stands for them. The ops a consumer sends about an object are served from here
 (registered with the server at import): ``fetch`` (a byte transport streams or
 stages the object), ``meta`` (metadata prepared in the background, waited for),
-``sent`` (a one-sided read finished) and ``abort`` (a plug-in transfer failed).
+``sent`` (a one-sided read finished); a two-sided plug-in's ``send`` and
+``abort`` are ``_plugin_serve``'s.
 When the store frees an object, every transport that set something up for it
 releases it here (``garbage_collect``).
 """
 
 from __future__ import annotations
 
-import base64
 import functools
 import logging
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeoutError
 from typing import Any
 
 import numpy as np
@@ -37,13 +36,14 @@ from raydirect._payload import (
     check_usable_here,
     split,
 )
+from raydirect._plugin_serve import abort_sends
 from raydirect._ranges import ByteViews
-from raydirect._server import CONTROL, DATA, PLUGIN, Reply
+from raydirect._server import CONTROL, DATA, Reply
 from raydirect._store import StoredObject, capability_of, store
 from raydirect._tensors import TensorMetas, flat_bytes, storage_keys, version_counters
 from raydirect.errors import ProducerLostError, TransferError
 from raydirect.transports import nixl
-from raydirect.transports.base import ByteTransport, CommunicatorMetadata, metadata_classes
+from raydirect.transports.base import ByteTransport
 from raydirect.transports.registry import (
     AUTO,
     Registration,
@@ -334,7 +334,10 @@ def _release_one(obj: StoredObject, name: str, meta: Any) -> None:
 
 
 def _release_state(obj: StoredObject) -> None:
-    """Let every transport that set something up for ``obj`` release it."""
+    """Let every transport that set something up for ``obj`` release it, and
+    abort its two-sided sends still running: freed, nobody can want them, and a
+    consumer's abort that arrives after the free finds no object to abort."""
+    abort_sends(obj)
     for name, meta in list(obj.transport_state.items()):
         _release_one(obj, name, meta)
     obj.transport_state.clear()
@@ -386,57 +389,6 @@ def _count_read(read: Any) -> int:
     return 1
 
 
-def _serve_abort(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
-    transport = transport_instance(str(request.get("transport", "")))
-    if transport.can_abort_transport():
-        comm = _decoded_comm(request) if "comm" in request else CommunicatorMetadata()
-        transport.abort_transport(obj.obj_id.hex(), comm)
-
-
-def _decoded_comm(request: dict[str, Any]) -> Any:
-    frames = [base64.b64decode(f) for f in request.get("comm_frames", [])]
-    return _wire.decode_value(request["comm"], frames, metadata_classes())
-
-
-def _serve_send(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
-    """A two-sided plug-in: accept, then send while the consumer receives, then
-    say how the send ended (the consumer waits for both answers). In a lane of
-    its own: a plug-in that cannot abort may hold its thread for as long as its
-    send hangs, and only other plug-in sends wait behind it."""
-    name = str(request.get("transport", ""))
-    transport = transport_instance(name)
-    if transport.byte_transport or transport.is_one_sided() or obj.transport != name:
-        raise ValueError(f"the object was not made for two-sided transport {name!r}")
-    comm = _decoded_comm(request)
-    try:
-        meta = _wait_prepared(obj, name, request.get("timeout"))
-    except FutureTimeoutError:
-        reply.send(_wire.refusal(_wire.TRANSFER, f"{name} still preparing at the deadline"))
-        return
-    reply.send({"ok": True})
-    obj.check_unmodified()
-    try:
-        transport.send_multiple_tensors(obj.originals, meta, comm)
-    except Exception as exc:
-        log.exception("raydirect: %s send of %s failed", name, obj.label)
-        if transport.can_abort_transport():
-            transport.abort_transport(obj.obj_id.hex(), comm)
-        error = f"transport {name!r} failed to send: {type(exc).__name__}: {exc}"
-        reply.send(_wire.refusal(_wire.TRANSFER, error))
-        return
-    store.count_sent(name, obj.nbytes)
-    reply.send({"ok": True, "sent": True})
-
-
-def _wait_prepared(obj: StoredObject, name: str, timeout: Any) -> Any:
-    """Transport ``name``'s metadata for ``obj``, waiting for background
-    preparation up to the consumer's ``timeout`` (None: its read has no deadline)."""
-    future = obj.preparing.get(name)
-    if future is None:
-        return obj.transport_state.get(name)
-    return future.result(timeout=None if timeout is None else max(float(timeout), 0.0))
-
-
 def _serve_meta(obj: StoredObject, request: dict[str, Any], reply: Reply) -> None:
     """Metadata prepared in the background, sent once ready. No thread waits for
     it: the reply goes when the preparation ends (a consumer that gave up by
@@ -470,8 +422,6 @@ store.on_free(_release_state)
 _server.register(_wire.FETCH, _serve_fetch, needs_object=True, lane=DATA)
 _server.register(_wire.META, _serve_meta, needs_object=True, lane=DATA)
 _server.register(_wire.SENT, _serve_sent, needs_object=False, lane=CONTROL)
-_server.register(_wire.ABORT, _serve_abort, needs_object=True, lane=CONTROL)
-_server.register(_wire.SEND, _serve_send, needs_object=True, lane=PLUGIN)
 
 
 def _forget_after_fork() -> None:
