@@ -255,8 +255,8 @@ def main() -> None:
 def _run(engines: dict[str, Any], rounds: int) -> None:
     p, d, pe, de = (engines[k] for k in ("p", "d", "pe", "de"))
     pn, dn = engines.get("pn"), engines.get("dn")
+    _affinity(engines)
     if pn is not None:
-        _affinity(engines)
         ray.get(dn.nixl_reads.remote())  # starts recording
     times: dict[tuple[str, int], list[float]] = {}
     cold: dict[str, float] = {}
@@ -316,14 +316,21 @@ def _run(engines: dict[str, Any], rounds: int) -> None:
         holding = _cpu_share(prefill, 2.0)
         ray.get(decode.generate.remote(_prompt(512, 999), params))  # read: P frees them
         print(f"{name} P's core + worker, cores used: idle {idle:.2f}, holding {holding:.2f}")
-    if pn is not None:
-        _busy_threads({"NIXL P": pn, "NIXL D": dn}, 2.0)
+    _busy_threads(engines, 2.0)
+
+
+NAMES = {
+    "p": "raydirect P",
+    "d": "raydirect D",
+    "pe": "Example P",
+    "de": "Example D",
+    "pn": "NIXL P",
+    "dn": "NIXL D",
+}
 
 
 def _affinity(engines: dict[str, Any]) -> None:
     """Print the CPUs each engine's threads may run on, as they ended up."""
-    names = {"p": "raydirect P", "d": "raydirect D", "pe": "Example P", "de": "Example D"}
-    names.update(pn="NIXL P", dn="NIXL D")
     print("affinity (bound to: P core 0, D core 1), threads' allowed CPUs:")
     for key, engine in engines.items():
         where: dict[str, list[str]] = {}
@@ -331,9 +338,10 @@ def _affinity(engines: dict[str, Any]) -> None:
             name = thread.split("/")[0]
             where.setdefault(f"{proc} {allowed}", []).append(name)
         cells = "; ".join(
-            f"{k}: {len(v)} ({', '.join(sorted(set(v))[:4])})" for k, v in sorted(where.items())
+            f"{k}: {len(v)} ({', '.join(sorted(set(v), key=lambda x: (x != 'main', x))[:4])})"
+            for k, v in sorted(where.items())
         )
-        print(f"  {names[key]:<12} {cells}")
+        print(f"  {NAMES[key]:<12} {cells}")
 
 
 def _busy_threads(engines: dict[str, Any], seconds: float) -> None:
@@ -347,7 +355,7 @@ def _busy_threads(engines: dict[str, Any], seconds: float) -> None:
             for pr, t, a, u in ray.get(engine.threads.remote())
             if (pr, t) in used and u - used[(pr, t)] >= 0.05 * seconds
         ]
-        print(f"{key} idle, threads using >= 5% of a core: {', '.join(busy) or 'none'}")
+        print(f"{NAMES[key]} idle, threads using >= 5% of a core: {', '.join(busy) or 'none'}")
 
 
 if __name__ == "__main__":
