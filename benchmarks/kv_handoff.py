@@ -256,7 +256,8 @@ def main() -> None:
                         ray.kill(engines.pop(k))
             _run(engines, rounds=args.rounds)
         finally:
-            ray.get([e.shutdown.remote() for e in engines.values()], timeout=60)
+            done = [e.shutdown.remote() for e in engines.values()]
+            ray.wait(done, num_returns=len(done), timeout=60)  # a hung engine: ray.shutdown
             shutil.rmtree(files, ignore_errors=True)
     if not nixl:
         why = "--no-nixl" if args.no_nixl else f"NIXL is not installed: {NIXL_INSTALL}"
