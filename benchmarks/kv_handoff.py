@@ -60,7 +60,7 @@ GEOMETRY = {  # Llama-3.2-1B's KV: 16 layers x 8 KV heads x head dim 64
 }
 SIZES = (128, 512, 2048)
 ENV = {
-    "VLLM_CPU_KVCACHE_SPACE": "2",
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB per engine: 8,192 tokens here, six engines
     "VLLM_LOGGING_LEVEL": "WARNING",
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
 }
