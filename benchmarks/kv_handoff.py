@@ -114,24 +114,25 @@ class Engine:
         def take(_worker: Any) -> list[dict[str, Any]]:
             from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-            worker = get_kv_transfer_group().connector_worker
-            if not hasattr(worker, "bench_reads"):  # first call: record from now on
-                worker.bench_reads = []
-                stats, record = worker.xfer_stats, worker.xfer_stats.record_transfer
+            # On the class: the stats object itself travels to the scheduler (pickled).
+            stats = type(get_kv_transfer_group().connector_worker.xfer_stats)
+            if not hasattr(stats, "bench_reads"):  # first call: record from now on
+                stats.bench_reads = []
+                record = stats.record_transfer
 
-                def recording(res: Any) -> None:
+                def recording(self: Any, res: Any) -> None:
                     if res is not None:
-                        worker.bench_reads.append(
+                        stats.bench_reads.append(
                             {
                                 "seconds": res.xferDuration / 1e6,
                                 "post": res.postDuration / 1e6,
                                 "bytes": res.totalBytes,
                             }
                         )
-                    record(res)
+                    record(self, res)
 
                 stats.record_transfer = recording
-            taken, worker.bench_reads[:] = list(worker.bench_reads), []
+            taken, stats.bench_reads[:] = list(stats.bench_reads), []
             return taken
 
         return [r for rank in self.llm.collective_rpc(take) for r in rank]
