@@ -185,13 +185,16 @@ def _plugin(transport: str) -> Registration | None:
     return None if reg.cls.byte_transport else reg
 
 
-def export(value: Any, transport: str, label: str | None = None, inline: bool = True) -> Any:
+def export(
+    value: Any, transport: str, label: str | None = None, inline: bool = True, leased: bool = True
+) -> Any:
     """Keep ``value``'s tensors in this process and return the Payload standing
     for it; a value without tensors is returned unchanged, a small one under
-    ``auto`` travels inline (unless ``inline`` is False)."""
+    ``auto`` travels inline (unless ``inline`` is False). ``leased``: the Payload
+    carries a lease (``put`` binds the lifetime to its own ref instead)."""
     check_usable_here()
     with collector_paused():  # thousands of tensors described: no collection midway
-        return _export(value, transport, label, inline, leased=True)
+        return _export(value, transport, label, inline, leased)
 
 
 def put(value: Any, transport: str, label: str, inline: bool = True) -> ray.ObjectRef:
@@ -199,9 +202,7 @@ def put(value: Any, transport: str, label: str, inline: bool = True) -> ray.Obje
     owns the put ref, and Ray never inlines a put object into a task spec (2.60
     inlines puts only in local mode), so the ref's own out-of-scope callback is
     the object's exact lifetime: no second Ray object, no pubsub."""
-    check_usable_here()
-    with collector_paused():
-        payload = _export(value, transport, label, inline, leased=False)
+    payload = export(value, transport, label, inline, leased=False)
     if not isinstance(payload, Payload):
         return ray.put(payload)
     obj_id = payload.obj_id

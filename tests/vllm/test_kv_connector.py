@@ -15,7 +15,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,8 @@ import pytest
 import ray
 from ray import cloudpickle
 from vllm_harness import ENGINE_START_TIMEOUT_S, Engine, prompt, save_llama
+
+from helpers import wait_for
 
 # The functions run in the engines (collective_rpc) travel by value.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -65,9 +67,17 @@ def engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
         )
         for name, (path, core, config) in specs.items()
     }
+    with _running(actors):
+        yield actors
+
+
+@contextlib.contextmanager
+def _running(actors: dict[str, Any]) -> Iterator[None]:
+    """The engines started and ready; then each engine core shut down (or its
+    processes are orphaned) and its actor killed."""
     try:
         ray.get([a.__ray_ready__.remote() for a in actors.values()], timeout=ENGINE_START_TIMEOUT_S)
-        yield actors
+        yield
     finally:
         for actor in actors.values():
             # a killed engine (Q) has no core left to stop
@@ -123,17 +133,6 @@ def _all_free(engine: Any) -> bool:
     return bool(ray.get(engine.all_blocks_free.remote(), timeout=CALL_S))
 
 
-def _until(check: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout}s (last: {value!r})")
-        time.sleep(0.1)
-
-
 @pytest.mark.parametrize("length", [20, 45, 100])
 def test_decode_tokens_equal_a_single_engine(engines: dict, length: int) -> None:
     p, d = engines["p"], engines["d"]
@@ -165,10 +164,14 @@ def test_blocks_come_back_after_the_read(engines: dict) -> None:
     ids = prompt(100, seed=300)
     params = _prefill(p, ids)
     request = params["remote_request_id"]
-    _until(lambda: request in _leases(p), 5.0, "P's worker holds the lease")
+    wait_for(lambda: request in _leases(p), timeout=5.0, what="P's worker holds the lease")
     assert not _all_free(p), "P freed the blocks before anyone read them"
     _decode(d, ids, params)
-    _until(lambda: request not in _leases(p) and _all_free(p), 5.0, "P frees them on D's notice")
+    wait_for(
+        lambda: request not in _leases(p) and _all_free(p),
+        timeout=5.0,
+        what="P frees them on D's notice",
+    )
     assert time.time() < params["raydirect"]["expires_at"] - 2.0, "freed by the lease, not D"
     [after] = _workers(p)
     assert after["expired"] == before["expired"]
@@ -182,12 +185,12 @@ def test_blocks_come_back_at_the_deadline(engines: dict) -> None:
     ids = prompt(45, seed=400)
     params = _prefill(p, ids)
     request, expires_at = params["remote_request_id"], params["raydirect"]["expires_at"]
-    _until(lambda: request in _leases(p), 5.0, "P's worker holds the lease")
+    wait_for(lambda: request in _leases(p), timeout=5.0, what="P's worker holds the lease")
     assert not _all_free(p)
-    _until(
+    wait_for(
         lambda: request not in _leases(p) and _all_free(p),
-        LEASE_S + 10.0,
-        "P frees the blocks at the deadline",
+        timeout=LEASE_S + 10.0,
+        what="P frees the blocks at the deadline",
     )
     assert time.time() >= expires_at
     [after] = _workers(p)
@@ -222,7 +225,7 @@ def test_prefill_engine_killed_before_the_read(engines: dict) -> None:
     params = _prefill(q, ids)
     [pid] = ray.get(q.collective_rpc.remote(_pid), timeout=CALL_S)
     os.kill(pid, signal.SIGKILL)
-    _until(lambda: not _alive(pid), 30.0, "Q's engine core exits")
+    wait_for(lambda: not _alive(pid), timeout=30.0, what="Q's engine core exits")
     started = time.monotonic()
     got = _decode(d, ids, params)
     assert time.monotonic() - started < 60.0
@@ -270,14 +273,8 @@ def tp2_engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> 
         )
         for name in ("p", "d")
     }
-    try:
-        ray.get([a.__ray_ready__.remote() for a in actors.values()], timeout=ENGINE_START_TIMEOUT_S)
+    with _running(actors):
         yield actors
-    finally:
-        for actor in actors.values():
-            with contextlib.suppress(Exception):
-                ray.get(actor.shutdown.remote(), timeout=60)
-            ray.kill(actor)
 
 
 def test_tensor_parallel_2_on_both_sides(tp2_engines: dict) -> None:
@@ -288,15 +285,21 @@ def test_tensor_parallel_2_on_both_sides(tp2_engines: dict) -> None:
     params = _prefill(p, ids)
     assert len(params["raydirect"]["regions"]) == 2 and params["tp_size"] == 2
     request = params["remote_request_id"]
-    _until(
-        lambda: all(request in w["leases"] for w in _workers(p)), 20.0, "P's ranks hold the lease"
+    wait_for(
+        lambda: all(request in w["leases"] for w in _workers(p)),
+        timeout=20.0,
+        what="P's ranks hold the lease",
     )
     got = _decode(d, ids, params)
     reads = [[r for r in w["reads"] if r["remote"] == request] for w in _workers(d)]
     assert [len(r) for r in reads] == [1, 1], reads
     assert all(r[0]["blocks"] == 4 and r[0]["bytes"] > 0 for r in reads)
     assert reads[0][0]["bytes"] == reads[1][0]["bytes"]
-    _until(lambda: all(not w["leases"] for w in _workers(p)), 20.0, "P's ranks free on the notices")
+    wait_for(
+        lambda: all(not w["leases"] for w in _workers(p)),
+        timeout=20.0,
+        what="P's ranks free on the notices",
+    )
     assert [w["expired"] for w in _workers(p)] == [0, 0]
     assert got == _alone(p, ids)
 
@@ -311,7 +314,7 @@ def test_tensor_parallel_2_prefill_killed_fails_clearly(tp2_engines: dict) -> No
     pids = ray.get(p.collective_rpc.remote(_pid), timeout=CALL_S)
     for pid in pids:
         os.kill(pid, signal.SIGKILL)
-    _until(lambda: not any(_alive(pid) for pid in pids), 30.0, "P's workers exit")
+    wait_for(lambda: not any(_alive(pid) for pid in pids), timeout=30.0, what="P's workers exit")
     started = time.monotonic()
     tokens, _, reason = ray.get(d.generate_kv.remote(ids, NEW_TOKENS, params), timeout=CALL_S)
     assert time.monotonic() - started < 60.0

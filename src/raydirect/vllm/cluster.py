@@ -98,14 +98,12 @@ def join(trainer: Trainer) -> str:
 
 
 def _connect(namespace: str | None, trainer: Trainer) -> None:
-    try:
-        _init(namespace)
-    except ConnectionError as exc:
-        raise rd.WeightSyncError(
-            f"raydirect: this engine is in no Ray cluster ({ADDRESS}="
-            f"{os.environ.get(ADDRESS, '')!r}: {exc}). Start it with {ADDRESS} set to the "
-            f"trainer's cluster (the trainer's is at {trainer.address})"
-        ) from None
+    _init(
+        namespace,
+        rd.WeightSyncError,
+        f"Start it with {ADDRESS} set to the trainer's cluster (the trainer's is at "
+        f"{trainer.address})",
+    )
 
 
 def join_own() -> None:
@@ -114,24 +112,28 @@ def join_own() -> None:
     ``RuntimeError`` naming the fix if there is none."""
     if ray.is_initialized():
         return
-    try:
-        _init(os.environ.get(NAMESPACE) or None)
-    except ConnectionError as exc:
-        raise RuntimeError(
-            f"raydirect: this engine is in no Ray cluster ({ADDRESS}="
-            f"{os.environ.get(ADDRESS, '')!r}: {exc}). Start a Ray cluster on this node "
-            f"(ray start --head), or set {ADDRESS} to the cluster's address; prefill and "
-            "decode engines must be in the same cluster"
-        ) from None
-
-
-def _init(namespace: str | None) -> None:
-    rd.init_ray(  # vLLM seeded ``random`` alike in every worker
-        address=os.environ.get(ADDRESS) or "auto",
-        namespace=namespace,
-        logging_level=logging.WARNING,
-        log_to_driver=False,
+    _init(
+        os.environ.get(NAMESPACE) or None,
+        RuntimeError,
+        f"Start a Ray cluster on this node (ray start --head), or set {ADDRESS} to the "
+        "cluster's address; prefill and decode engines must be in the same cluster",
     )
+
+
+def _init(namespace: str | None, error: type[Exception], fix: str) -> None:
+    """Joins the cluster of this process's environment; ``error`` with ``fix`` if none."""
+    try:
+        rd.init_ray(  # vLLM seeded ``random`` alike in every worker
+            address=os.environ.get(ADDRESS) or "auto",
+            namespace=namespace,
+            logging_level=logging.WARNING,
+            log_to_driver=False,
+        )
+    except ConnectionError as exc:
+        raise error(
+            f"raydirect: this engine is in no Ray cluster ({ADDRESS}="
+            f"{os.environ.get(ADDRESS, '')!r}: {exc}). {fix}"
+        ) from None
 
 
 def mailbox(trainer: Trainer, namespace: str) -> Any:
