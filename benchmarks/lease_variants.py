@@ -7,6 +7,10 @@ Two questions, each run with ``--mode``:
   is; and with that ref pickled into a blob of its own, so that Ray records it
   as contained on the producer but the consumer never deserializes it (and so
   never becomes its borrower). The driver passes each ref to a consumer method.
+- ``transfer``: what issue 41's targets are stated against: the producer's
+  method returns ``--size`` bytes (1 MiB), the consumer takes the value as a
+  task argument. Three kinds: the two bare calls (a 400-byte value, no
+  raydirect); ``@rd.method`` (its lease); ``@rd.method(reads=1)`` (no lease).
 - ``put``: the producer ``rd.put``s 1 MiB and returns the ref in a list; the
   consumer ``ray.get``s it. Three kinds: ``ray.put`` of an int (the calls and a
   put ref, no raydirect); ``rd.put`` as it is (no lease: the callback sits on
@@ -19,7 +23,7 @@ call by call would charge one kind's background work (lease release, plasma
 eviction, pubsub) to the next. Printed: the median latency, and the CPU per
 transfer of the driver, producer, consumer, raylet and GCS together.
 
-    ./dev python benchmarks/lease_variants.py [--mode method|put] [--blocks 8]
+    ./dev python benchmarks/lease_variants.py [--mode method|put|transfer] [--blocks 8]
 
 Measured here: docs/benchmarks.md (workload 8's notes).
 """
@@ -78,6 +82,17 @@ class _Producer:
         lease = ray.put(b"")
         return _Nested(_VALUE, lease) if kind == "nested ref" else _Blob(_VALUE, lease)
 
+    def resize(self, nbytes: int) -> None:
+        self.tensor = torch.ones(nbytes // 4, dtype=torch.float32)
+
+    @rd.method
+    def leased(self) -> torch.Tensor:
+        return self.tensor
+
+    @rd.method(reads=1)
+    def read_once(self) -> torch.Tensor:
+        return self.tensor
+
     def put(self, kind: str) -> list[ray.ObjectRef]:
         if kind == "ray.put of an int":
             return [ray.put(1)]
@@ -95,7 +110,7 @@ class _Consumer:
         return os.getpid()
 
     def take(self, value: Any) -> int:
-        return 1
+        return int(value.numel()) if isinstance(value, torch.Tensor) else 1
 
     def take_put(self, refs: list[ray.ObjectRef]) -> int:
         value = ray.get(refs[0])
@@ -121,7 +136,8 @@ def _ray_pids() -> list[int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mode", choices=("method", "put"), default="method")
+    parser.add_argument("--mode", choices=("method", "put", "transfer"), default="method")
+    parser.add_argument("--size", type=int, default=1 << 20, help="--mode transfer: bytes")
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--block", type=int, default=25)
     args = parser.parse_args()
@@ -132,6 +148,15 @@ def main() -> None:
     if args.mode == "method":
         kinds = ["no ref", "nested ref", "ref in a blob"]
         ops = {k: (lambda k=k: consumer.take.remote(producer.make.remote(k))) for k in kinds}
+    elif args.mode == "transfer":
+        ray.get(producer.resize.remote(args.size))
+        calls = {
+            "bare calls": lambda: producer.make.remote("no ref"),
+            "rd.method (lease)": producer.leased.remote,
+            "rd.method(reads=1)": producer.read_once.remote,
+        }
+        kinds = list(calls)
+        ops = {k: (lambda k=k: consumer.take.remote(calls[k]())) for k in kinds}
     else:
         kinds = ["ray.put of an int", "rd.put with a lease (before)", "rd.put (no lease)"]
         ops = {k: (lambda k=k: consumer.take_put.remote(producer.put.remote(k))) for k in kinds}
@@ -152,7 +177,11 @@ def main() -> None:
             f"{kind:>30}: {statistics.median(times[kind]) * 1e3:.2f} ms, "
             f"CPU {statistics.median(cpu[kind]) * 1e3:.2f} ms per transfer"
         )
-    if args.mode == "put":
+    if args.mode == "transfer":
+        base = statistics.median(times["bare calls"])
+        for kind in kinds[1:]:
+            print(f"{kind:>30}: {statistics.median(times[kind]) / base:.2f}x the bare calls")
+    if args.mode in ("put", "transfer"):
         print(f"objects left in the producer: {ray.get(producer.held.remote())}")
 
 

@@ -27,6 +27,8 @@ from raydirect._into import (
     set_hint,
     target_device,
 )
+from raydirect._lifetime import Lifetime
+from raydirect._lifetime import check_transport as check_lifetime_transport
 from raydirect._payload import PendingFetch, get_deferred, join, split
 from raydirect._producer import export
 from raydirect._producer import put as put_payload
@@ -42,7 +44,7 @@ _async_executor: ThreadPoolExecutor | None = None
 _pools_lock = threading.Lock()
 
 
-def _export_returns(wrapper: Any, value: Any, transport: str) -> Any:
+def _export_returns(wrapper: Any, value: Any, transport: str, lifetime: Lifetime | None) -> Any:
     # Read at call time: @ray.method(num_returns=k) may be stacked above us.
     num_returns = _ray.declared_num_returns(wrapper)
     if isinstance(num_returns, int) and num_returns > 1:
@@ -51,15 +53,24 @@ def _export_returns(wrapper: Any, value: Any, transport: str) -> Any:
                 f"{wrapper.__qualname__} declares num_returns={num_returns} but returned "
                 f"{type(value).__name__}; return a tuple of {num_returns} values"
             )
-        return tuple(export(v, transport) for v in value)
-    return export(value, transport)
+        return tuple(export(v, transport, lifetime=lifetime) for v in value)
+    return export(value, transport, lifetime=lifetime)
 
 
 @overload
 def method(fn: F, /) -> F: ...
 @overload
-def method(*, tensor_transport: str = AUTO) -> Callable[[F], F]: ...
-def method(fn: Any = None, /, *, tensor_transport: str = AUTO) -> Any:
+def method(
+    *, tensor_transport: str = AUTO, reads: int | None = None, ttl: float | None = None
+) -> Callable[[F], F]: ...
+def method(
+    fn: Any = None,
+    /,
+    *,
+    tensor_transport: str = AUTO,
+    reads: int | None = None,
+    ttl: float | None = None,
+) -> Any:
     """Decorate an actor method so the tensors it returns stay in the actor.
 
     Use bare (``@rd.method``) or with a transport
@@ -67,9 +78,15 @@ def method(fn: Any = None, /, *, tensor_transport: str = AUTO) -> Any:
     async actors, and under or over
     ``@ray.method(num_returns=k)`` (each return becomes its own object). The
     transport name is checked at each call, so it may be registered later.
+
+    An object lives until no ref to it is left anywhere, unless ``reads=N``
+    and/or ``ttl=seconds`` state a cheaper lifetime (no lease): freed after its
+    N-th read or ``ttl`` s after it is made, whichever comes first, refs or not;
+    a later read raises ``rd.ProducerLostError`` naming it (docs/concepts.md).
     """
+    lifetime = _lifetime_of(reads, ttl, tensor_transport)
     if fn is None:
-        return functools.partial(method, tensor_transport=tensor_transport)
+        return functools.partial(method, tensor_transport=tensor_transport, reads=reads, ttl=ttl)
     if not callable(fn):
         raise TypeError(
             f"rd.method decorates a method, got {type(fn).__name__}; write @rd.method or "
@@ -92,11 +109,11 @@ def method(fn: Any = None, /, *, tensor_transport: str = AUTO) -> Any:
     if inspect.iscoroutinefunction(fn):
 
         async def wrapper(self, *args, **kwargs):
-            return _export_returns(wrapper, await fn(self, *args, **kwargs), transport)
+            return _export_returns(wrapper, await fn(self, *args, **kwargs), transport, lifetime)
     else:
 
         def wrapper(self, *args, **kwargs):
-            return _export_returns(wrapper, fn(self, *args, **kwargs), transport)
+            return _export_returns(wrapper, fn(self, *args, **kwargs), transport, lifetime)
 
     functools.update_wrapper(wrapper, fn)
     # Ray reads a method's options after inspect.unwrap: without __wrapped__ it
@@ -105,6 +122,16 @@ def method(fn: Any = None, /, *, tensor_transport: str = AUTO) -> Any:
     wrapper.__signature__ = inspect.signature(fn)
     wrapper.__raydirect_transport__ = transport
     return wrapper
+
+
+def _lifetime_of(reads: Any, ttl: Any, transport: Any) -> Lifetime | None:
+    """``rd.method``'s opt-in lifetime, checked (None: the lease's, by default)."""
+    if reads is None and ttl is None:
+        return None
+    lifetime = Lifetime(reads, ttl)
+    if isinstance(transport, str):  # else the TypeError below says what it must be
+        check_lifetime_transport(transport)
+    return lifetime
 
 
 def put(value: Any, tensor_transport: str = AUTO) -> ray.ObjectRef:

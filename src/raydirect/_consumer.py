@@ -43,6 +43,7 @@ from raydirect._into import (
     take_hint,
     writable_bytes,
 )
+from raydirect._lifetime import lifetimes
 from raydirect._payload import PREPARING, InlinePayload, Payload, check_usable_here, join
 from raydirect._ranges import ByteViews, Ranges
 from raydirect._store import StoredObject, store
@@ -112,6 +113,8 @@ def fetch_tensors(
     if payload.producer.process_token == _process.PROCESS_TOKEN:
         obj = _own_object(payload)
         store.count_received("local", obj.nbytes)
+        if obj.live is not None:
+            lifetimes.count_read(obj.obj_id)
         return on_device(_fill(list(obj.originals), into, gate), metas, device)
     name = choose_transport(payload, forced)
     if not transport_class(name).byte_transport:
@@ -169,9 +172,12 @@ def fetch_ranges(
     plug-ins) read whole tensors here, then the ranges are copied out. Bytes
     are written only while ``gate`` is open."""
     if payload.producer.process_token == _process.PROCESS_TOKEN:
+        obj = _own_object(payload)
         with _writing(gate):
-            _copy_ranges(_own_object(payload).buffers, ranges)
+            _copy_ranges(obj.buffers, ranges)
         store.count_received("local", ranges.nbytes)
+        if obj.live is not None:
+            lifetimes.count_read(obj.obj_id)
         return
     name = choose_transport(payload, forced)
     if not transport_class(name).byte_transport:

@@ -27,6 +27,7 @@ import torch
 from raydirect import _groups, _process, _ray, _runtime, _server, _wire
 from raydirect._collector import collector_paused
 from raydirect._lease import leases
+from raydirect._lifetime import TRANSPORTS, Lifetime, lifetimes
 from raydirect._payload import (
     PREPARING,
     InlineValue,
@@ -166,6 +167,8 @@ def _prepare_on_request(obj: StoredObject, name: str) -> Future[Any]:
     transport = transport_instance(name)
     if not (transport.byte_transport and transport.extract_in_background):
         raise ValueError(f"{name!r} is not prepared on request")
+    if obj.live is not None:
+        raise ValueError(f"{name!r} cannot read it: {sorted(TRANSPORTS)} read this object only")
     with obj.lock:
         if obj.freed:
             raise ProducerLostError.freed_meanwhile()
@@ -186,15 +189,21 @@ def _plugin(transport: str) -> Registration | None:
 
 
 def export(
-    value: Any, transport: str, label: str | None = None, inline: bool = True, leased: bool = True
+    value: Any,
+    transport: str,
+    label: str | None = None,
+    inline: bool = True,
+    leased: bool = True,
+    lifetime: Lifetime | None = None,
 ) -> Any:
     """Keep ``value``'s tensors in this process and return the Payload standing
     for it; a value without tensors is returned unchanged, a small one under
     ``auto`` travels inline (unless ``inline`` is False). ``leased``: the Payload
-    carries a lease (``put`` binds the lifetime to its own ref instead)."""
+    carries a lease (``put`` binds the lifetime to its own ref instead).
+    ``lifetime``: no lease; freed by its reads or clock (``_lifetime``)."""
     check_usable_here()
     with collector_paused():  # thousands of tensors described: no collection midway
-        return _export(value, transport, label, inline, leased)
+        return _export(value, transport, label, inline, leased and lifetime is None, lifetime)
 
 
 def put(value: Any, transport: str, label: str, inline: bool = True) -> ray.ObjectRef:
@@ -216,7 +225,14 @@ def put(value: Any, transport: str, label: str, inline: bool = True) -> ray.Obje
     return ref
 
 
-def _export(value: Any, transport: str, label: str | None, inline: bool, leased: bool) -> Any:
+def _export(
+    value: Any,
+    transport: str,
+    label: str | None,
+    inline: bool,
+    leased: bool,
+    lifetime: Lifetime | None,
+) -> Any:
     plugin = _plugin(transport)
     label = label or _ray.current_task_label()
     parts = split(value, only=plugin.data_type if plugin is not None else None)
@@ -225,11 +241,16 @@ def _export(value: Any, transport: str, label: str | None, inline: bool, leased:
     if inline and transport == AUTO and _inline(parts.metas):
         return InlineValue.of(parts, label)
     _check_devices(transport, parts.metas, label)
+    if lifetime is not None:
+        _check_host_only(parts.metas, label)
     _forget_earlier_sessions()
     agent = _runtime.agent()
     obj = _stored(parts, transport, label)
     try:
-        transport_meta = _extract_all(obj, transport, parts, plugin)
+        if lifetime is None:
+            transport_meta = _extract_all(obj, transport, parts, plugin)
+        else:
+            transport_meta = _guarded(obj, lifetime)
         lease = leases.take(lambda: store.free_later(obj.obj_id)) if leased else None
     except BaseException:
         store.free(obj.obj_id)
@@ -241,7 +262,7 @@ def _export(value: Any, transport: str, label: str | None, inline: bool, leased:
         start_time=_process.START_TIME,
         process_token=_process.PROCESS_TOKEN,
         label=label,
-        transports=_served_on_request(),
+        transports=_served_on_request() if lifetime is None else (),  # no nixl: see _lifetime
     )
     return Payload(
         obj_id=obj.obj_id,
@@ -255,6 +276,27 @@ def _export(value: Any, transport: str, label: str | None, inline: bool, leased:
         lease=lease,
         actor=None if plugin is None or plugin.cls.is_one_sided() else _ray.current_actor_handle(),
     )
+
+
+def _check_host_only(metas: Any, label: str) -> None:
+    devices = set(metas.devices) - {"cpu"}
+    if devices:
+        raise ValueError(
+            f"{label} returned tensors on {', '.join(sorted(devices))} under reads=/ttl=, "
+            "which cover host (CPU) tensors for now; drop reads=/ttl= (the default "
+            "lifetime covers every device), or return CPU tensors"
+        )
+
+
+def _guarded(obj: StoredObject, lifetime: Lifetime) -> dict[str, Any]:
+    """Start ``obj``'s lifetime; the metadata its readers need, as a region's:
+    ``cma`` checks the seal, ``shm`` and ``tcp`` reads are copied out by the agent."""
+    seal = lifetimes.start(obj, lifetime)
+    cross = transport_instance("cma").extract_tensor_transport_metadata(obj.obj_id, obj.buffers)  # type: ignore[arg-type]
+    return {
+        "cma": {**cross.extra, "seal": seal, "lifetime": lifetime.describe()},
+        "shm": {"live": True},
+    }
 
 
 def _forget_earlier_sessions() -> None:
@@ -337,7 +379,9 @@ def _release_one(obj: StoredObject, name: str, meta: Any) -> None:
 def _release_state(obj: StoredObject) -> None:
     """Let every transport that set something up for ``obj`` release it, and
     abort its two-sided sends still running: freed, nobody can want them, and a
-    consumer's abort that arrives after the free finds no object to abort."""
+    consumer's abort that arrives after the free finds no object to abort.
+    One with a lifetime is first closed to reads (``_lifetime``)."""
+    lifetimes.release(obj)
     abort_sends(obj)
     for name, meta in list(obj.transport_state.items()):
         _release_one(obj, name, meta)
@@ -355,6 +399,8 @@ def _serve_fetch(obj: StoredObject, request: dict[str, Any], reply: Reply) -> No
     obj.check_unmodified()
     with obj.serving():  # a region: its close waits until this read is off its memory
         store.count_sent(name, transport.serve(obj, request, reply))
+    if obj.live is not None:
+        lifetimes.count_read(obj.obj_id)
 
 
 def _serve_sent(request: dict[str, Any], reply: Reply) -> None:
@@ -386,6 +432,8 @@ def _count_read(read: Any) -> int:
     obj, held = found
     if obj is not None:
         obj.check_unmodified()
+        if obj.live is not None:
+            lifetimes.count_read(obj.obj_id)
     store.count_sent(str(transport)[:32], min(nbytes, held) if nbytes >= 0 else held)
     return 1
 

@@ -308,11 +308,9 @@ class Server:
         else:
             _log.warning(f"capability: {why}", message, *args)
         if _wire.wants_reply(request):
-            reply.send(
-                _wire.refusal(
-                    _wire.LOST, "object not held here: it was freed, or its producer restarted"
-                )
-            )
+            freed = store.why_freed(obj_id) if obj is None else None
+            why = f"freed {freed}" if freed else "it was freed, or its producer restarted"
+            reply.send(_wire.refusal(_wire.LOST, f"object not held here: {why}"))
         return None
 
 

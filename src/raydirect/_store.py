@@ -26,7 +26,7 @@ import secrets
 import threading
 import time
 import warnings
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
@@ -43,6 +43,7 @@ from raydirect.errors import ProducerLostError
 log = logging.getLogger("raydirect")
 
 _KEY = secrets.token_bytes(32)  # this process's: capabilities are keyed hashes
+_WHYS_KEPT = 4096  # why recent objects were freed early (``free_later(why=)``)
 
 
 def capability_of(obj_id: bytes, nbytes: int) -> bytes:
@@ -176,6 +177,7 @@ class Store:
         self._received: Counter[str] = Counter()
         self._received_bytes: Counter[str] = Counter()
         self._free_queue: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._whys: OrderedDict[bytes, str] = OrderedDict()
         self._reaper: threading.Thread | None = None
         self._free_hooks: list[Callable[[StoredObject], None]] = []
         self._first_use_hooks: list[Callable[[], bool]] = []
@@ -196,6 +198,7 @@ class Store:
         self._received.clear()
         self._received_bytes.clear()
         self._free_queue = queue.SimpleQueue()
+        self._whys = OrderedDict()
         self._reaper = None
 
     def on_free(self, hook: Callable[[StoredObject], None]) -> None:
@@ -259,8 +262,15 @@ class Store:
             except Exception:
                 log.exception("raydirect: releasing region %s failed", region.label)
 
-    def free_later(self, obj_id: bytes) -> None:
-        """Queue ``obj_id`` for freeing; safe from any thread, never blocks."""
+    def free_later(self, obj_id: bytes, why: str | None = None) -> None:
+        """Queue ``obj_id`` for freeing; safe from any thread, never blocks.
+        ``why``: it is freed while refs to it may remain (an opt-in lifetime
+        ended); a late reader's refusal says so (``why_freed``)."""
+        if why is not None:
+            with self._lock:
+                self._whys[obj_id] = why
+                while len(self._whys) > _WHYS_KEPT:
+                    self._whys.popitem(last=False)
         self._free_queue.put(obj_id)
         if self._reaper is None:
             with self._lock:
@@ -301,6 +311,11 @@ class Store:
             for key in [k for k in keys if self._holders[k] <= 0]:
                 self._holders.pop(key, None)
             self._lock.notify_all()
+
+    def why_freed(self, obj_id: bytes) -> str | None:
+        """Why ``obj_id`` was freed while refs to it remained, if it was (lately)."""
+        with self._lock:
+            return self._whys.get(obj_id)
 
     def read_of(
         self, obj_id: bytes, capability: bytes, nbytes: int

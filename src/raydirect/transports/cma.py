@@ -273,8 +273,9 @@ def seal_value(obj_id: bytes, capability: bytes) -> int:
     return int.from_bytes(digest.digest(), "little") or 1
 
 
-def _check_seal(obj_id: bytes, pid: int, address: int, link: PeerMetadata) -> None:
-    """``ProducerLostError`` unless the seal at ``address`` in ``pid`` holds."""
+def _check_seal(obj_id: bytes, pid: int, address: int, link: PeerMetadata, gone: str) -> None:
+    """``ProducerLostError`` (saying the producer ``gone``) unless the seal at
+    ``address`` in ``pid`` holds."""
     found = np.zeros(1, dtype=np.uint64)
     local = np.array([[found.ctypes.data, 8]], dtype=np.uint64)
     remote = np.array([[address, 8]], dtype=np.uint64)
@@ -282,7 +283,7 @@ def _check_seal(obj_id: bytes, pid: int, address: int, link: PeerMetadata) -> No
     if got != 8:
         _raise_for(got, link.who)
     if int(found[0]) != seal_value(obj_id, link.capability):
-        raise ProducerLostError.of(link.who, "holds no such region (it was closed)")
+        raise ProducerLostError.of(link.who, gone)
 
 
 def _pack_addresses(addresses: np.ndarray) -> bytes:
@@ -327,13 +328,20 @@ class CmaTransport(ByteTransport):
         # A pid names the producer only while it runs: a reused pid is another process.
         link.check_alive()
         pid, seal = link.producer.pid, extra.get("seal")
-        if seal is not None:  # a region: nothing read once it is closed
-            _check_seal(obj_id, pid, int(seal), link)
+        # A region, or an object with a lifetime: nothing read once it is closed or freed
+        lifetime = extra.get("lifetime")
+        gone = (
+            f"freed the object: its lifetime (rd.method({lifetime})) ended"
+            if lifetime
+            else "holds no such region (it was closed)"
+        )
+        if seal is not None:
+            _check_seal(obj_id, pid, int(seal), link, gone)
         addresses = _addresses(extra["ptrs"])
         if not _read_few(pid, addresses, ranges, link):
             read_remote(pid, _Spans(*ranges.runs(addresses)), link)
         if seal is not None:  # ... and nothing read while it was closing
-            _check_seal(obj_id, pid, int(seal), link)
+            _check_seal(obj_id, pid, int(seal), link, gone)
 
 
 def _read_few(pid: int, addresses: np.ndarray, ranges: Ranges, link: PeerMetadata) -> bool:
