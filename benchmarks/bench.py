@@ -130,7 +130,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--medium-sizes", help=f"workload 8: comma-separated sizes {default('medium_sizes')}"
     )
     parser.add_argument(
-        "--rounds", type=int, help=f"workloads 8, 10: interleaved rounds {default('rounds')}"
+        "--rounds",
+        type=int,
+        help="workload 8: timed transfers per system, in blocks; 10: interleaved rounds "
+        f"{default('rounds')}",
     )
     parser.add_argument(
         "--plot", metavar="PNG", help="write GB/s against size (workloads 1 and 2) here"

@@ -60,6 +60,7 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
     for system in (
         "the two calls, returning an int",
         "raydirect auto",
+        "raydirect auto, reads=1 (no lease)",
         "ray object store",
         "floor: one copy into fresh memory",
     ):

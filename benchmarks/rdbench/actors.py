@@ -111,6 +111,12 @@ def _raydirect_methods() -> dict[str, Any]:
         for fn in (one, state, small):
             fn.__name__ = fn.__qualname__ = f"{fn.__name__}_{transport}"
             methods[fn.__name__] = decorate(fn)
+
+    def one_read_once(self: PatternSource, name: str) -> torch.Tensor:
+        """Workload 8's opt-in lifetime: freed after its one read, no lease."""
+        return self._one(name)
+
+    methods["one_read_once"] = rd.method(reads=1, ttl=60)(one_read_once)
     return methods
 
 
