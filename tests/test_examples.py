@@ -24,6 +24,7 @@ NEEDS_TRANSFORMERS = pytest.mark.skipif(
         ("weight_sync.py", "all 4 rollouts match the trainer at every step: True"),
         ("two_sided_transport.py", "sends in the producer: 2"),
         ("kv_region.py", "decode read every request's blocks exactly: True"),
+        ("pipeline_read_once.py", "a second read: ProducerLostError naming True"),
         pytest.param(
             "weight_sync_model.py",
             "both ranks match the trainer at every step: True",
