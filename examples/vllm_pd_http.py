@@ -41,6 +41,7 @@ import argparse
 import json
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -91,10 +92,20 @@ class Handler(BaseHTTPRequestHandler):
     server: Proxy
 
     def do_GET(self) -> None:  # noqa: N802 - http.server's name
-        self._relay(_open(self.server.decode + self.path))
+        self._answer(lambda: self._relay(_open(self.server.decode + self.path)))
 
     def do_POST(self) -> None:  # noqa: N802
-        body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._answer(lambda: self._forward(json.loads(body or b"{}")))
+
+    def _answer(self, handle: Callable[[], None]) -> None:
+        """``handle()``; a server that cannot be reached is the client's 502."""
+        try:
+            handle()
+        except urllib.error.URLError as error:
+            self.send_error(502, f"a server behind the proxy: {error.reason}")
+
+    def _forward(self, body: dict[str, Any]) -> None:
         if self.path not in GENERATING:
             self._relay(_open(self.server.decode + self.path, body))
             return

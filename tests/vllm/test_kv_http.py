@@ -23,11 +23,11 @@ from typing import Any
 import pytest
 import requests
 from vllm_harness import TINY_LLAMA, prompt
-from vllm_servers import ApiServer, api_servers, free_port, group_members
+from vllm_servers import ApiServer, api_servers, group_members
 
 from raydirect import _status
 
-from helpers import wait_for
+from helpers import free_port, wait_for
 
 PROXY = Path(__file__).resolve().parents[2] / "examples" / "vllm_pd_http.py"
 BLOCK = 32  # the CPU attention's block sizes are multiples of 32

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -21,15 +20,9 @@ import ray
 import requests
 from vllm_harness import ENGINE_START_TIMEOUT_S, MAX_MODEL_LEN, VLLM_ENV
 
-from helpers import wait_for
+from helpers import free_port, wait_for
 
 STOP_TIMEOUT_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def group_members(pgid: int) -> list[int]:
