@@ -28,6 +28,13 @@ def wait_for(predicate: Callable[[], object], timeout: float = 30.0, what: str =
         time.sleep(0.05)
 
 
+def free_port() -> int:
+    """A loopback TCP port nothing listens on (bound a moment ago, closed since)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def shm_segments() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("rd-")}
 

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import requests
+
+from helpers import free_port, wait_for
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NEEDS_TRANSFORMERS = pytest.mark.skipif(
@@ -47,3 +50,29 @@ def test_example_runs(script, expected):
         assert "{'file': 1}" in done.stdout
     if script == "kv_region.py":  # every block freed on decode's notices
         assert "prefill's free blocks after the notices: 64" in done.stdout
+
+
+def test_the_pd_proxy_answers_502_when_its_servers_are_gone():
+    """examples/vllm_pd_http.py, the P/D proxy, needs no vLLM of its own: with
+    nothing listening behind it, a client gets a 502 saying why (its work in
+    front of real servers is tested in tests/vllm/test_kv_http.py)."""
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    port = free_port()
+    command = [sys.executable, str(EXAMPLES / "vllm_pd_http.py"), "--prefill", nowhere,
+               "--decode", nowhere, "--port", str(port)]  # fmt: skip
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        url = f"http://127.0.0.1:{port}/v1/completions"
+        [reply] = wait_for(lambda: _post(url), timeout=30.0, what="the proxy")
+        assert reply.status_code == 502 and "Connection refused" in reply.text, reply.text
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _post(url: str) -> list[requests.Response]:
+    """The proxy's answer (in a list: an error response is falsy), or none yet."""
+    try:
+        return [requests.post(url, json={"model": "m", "prompt": "hi"}, timeout=10)]
+    except requests.ConnectionError:  # not listening yet
+        return []

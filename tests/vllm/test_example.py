@@ -1,7 +1,8 @@
 """The vLLM examples run as written and say what they show: examples/vllm_rl_loop.py
 (its own Ray, engine and FSDP2 trainer: after each sync the engine's log-probs
 moved toward the reward and equal the trainer's) and examples/vllm_pd.py (two
-engines, the KV cache handed over by RaydirectConnector)."""
+engines, the KV cache handed over by RaydirectConnector). examples/vllm_pd_http.py,
+the P/D proxy, runs in tests/vllm/test_kv_http.py, in front of two real servers."""
 
 from __future__ import annotations
 

@@ -6,32 +6,23 @@ trainer's Ray cluster from the init info alone."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
-import ray
 import requests
 import torch
 from vllm.distributed.weight_transfer.base import ModuleSource
 from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 from vllm_harness import (
-    ENGINE_START_TIMEOUT_S,
     LOGPROB_TOLERANCE,
-    MAX_MODEL_LEN,
-    VLLM_ENV,
     hf_prompt_logprobs,
     max_difference,
     prompt,
     random_llama,
 )
+from vllm_servers import ApiServer, api_servers
 
 import raydirect as rd
 from raydirect.vllm import RaydirectTrainerInitInfo
@@ -39,46 +30,18 @@ from raydirect.vllm import RaydirectTrainerInitInfo
 IDS = prompt(24, 5)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def server(ray_session: None, tiny_llama: Any, tmp_path_factory: Any) -> Iterator[str]:
-    port = _free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    # the RL routes; the trainer's Ray cluster, which the server joins (never one
-    # a request names: see docs/vllm.md, "Whom the engine trusts")
-    env = {**os.environ, **VLLM_ENV, "VLLM_SERVER_DEV_MODE": "1"}
-    context = ray.get_runtime_context()
-    env.update(RAY_ADDRESS=context.gcs_address, RAY_NAMESPACE=context.namespace)
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(tiny_llama[0]), "--dtype", "float32", "--skip-tokenizer-init",
-        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--port", str(port),
-        "--host", "127.0.0.1",
-        "--weight-transfer-config", json.dumps({"backend": "raydirect"}),
-    ]  # fmt: skip
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ENGINE_START_TIMEOUT_S
-        while True:
-            assert proc.poll() is None, Path(log).read_text()[-3000:]
-            try:
-                if requests.get(f"{url}/health", timeout=2).ok:
-                    break
-            except requests.ConnectionError:
-                pass
-            assert time.monotonic() < deadline, Path(log).read_text()[-3000:]
-            time.sleep(0.5)  # polling the server's start, with a deadline
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    served = ApiServer(
+        tiny_llama[0],
+        log,
+        "--weight-transfer-config",
+        json.dumps({"backend": "raydirect"}),
+        env={"VLLM_SERVER_DEV_MODE": "1"},  # the RL routes
+    )
+    with api_servers(served):
+        yield served.url
 
 
 def _prompt_logprobs(url: str) -> list[float]:

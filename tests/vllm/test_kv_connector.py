@@ -24,6 +24,8 @@ import ray
 from ray import cloudpickle
 from vllm_harness import ENGINE_START_TIMEOUT_S, Engine, prompt, save_llama
 
+from raydirect.vllm.cluster import NODE_IP
+
 from helpers import wait_for
 
 # The functions run in the engines (collective_rpc) travel by value.
@@ -244,6 +246,19 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_workers_join_ray_on_their_engines_node(engines: dict) -> None:
+    """The engine (an ``LLM`` in a Ray actor) names its node to the processes vLLM
+    starts, and its worker joins Ray as a process of that node (where several Ray
+    nodes share one process table Ray alone picks the head's raylet:
+    test_kv_multinode.py runs that case)."""
+    [(named, joined)] = ray.get(engines["p"].collective_rpc.remote(_node), timeout=CALL_S)
+    assert named == joined == ray.util.get_node_ip_address()
+
+
+def _node(_worker: Any) -> tuple[str | None, str]:
+    return os.environ.get(NODE_IP), ray.util.get_node_ip_address()
 
 
 def test_the_plugin_registers_the_connector() -> None:

@@ -31,6 +31,12 @@ import ray
 import raydirect as rd
 
 ADDRESS, NAMESPACE = "RAY_ADDRESS", "RAY_NAMESPACE"
+# The Ray node of the process hosting the engine, for the processes vLLM starts.
+# Without it a worker's ray.init joins the node whose raylet it finds in the
+# host's process table, the head's first: where several Ray nodes share one
+# (containers with the host's PID namespace, network namespaces) that is another
+# node's address, which the worker's agent then cannot bind.
+NODE_IP = "RAYDIRECT_NODE_IP"
 _MAILBOX = "RaydirectMailbox"  # the class a trainer's mailbox actor is made of (mailbox.py)
 
 
@@ -60,12 +66,18 @@ _exported: dict[str, str] = {}  # what export_ray_context set, by variable
 def export_ray_context() -> None:
     """In a process connected to Ray (e.g. an ``LLM`` inside a Ray actor): makes
     the processes it starts (vLLM's engine core and workers) join the same
-    cluster and namespace. A value the user set is kept; one this function set
-    follows the process's current Ray connection (it may have reconnected)."""
+    cluster and namespace, as processes of its node. A value the user set is
+    kept; one this function set follows the process's current Ray connection (it
+    may have reconnected)."""
     if not ray.is_initialized():
         return
     context = ray.get_runtime_context()
-    for name, value in ((ADDRESS, context.gcs_address), (NAMESPACE, context.namespace)):
+    exported = (
+        (ADDRESS, context.gcs_address),
+        (NAMESPACE, context.namespace),
+        (NODE_IP, ray.util.get_node_ip_address()),
+    )
+    for name, value in exported:
         if os.environ.get(name) in (None, "", _exported.get(name)):
             os.environ[name] = _exported[name] = value
 
@@ -122,12 +134,16 @@ def join_own() -> None:
 
 def _init(namespace: str | None, error: type[Exception], fix: str) -> None:
     """Joins the cluster of this process's environment; ``error`` with ``fix`` if none."""
+    node: dict[str, Any] = {}
+    if os.environ.get(NODE_IP):  # the node of the process hosting the engine
+        node["_node_ip_address"] = os.environ[NODE_IP]
     try:
         rd.init_ray(  # vLLM seeded ``random`` alike in every worker
             address=os.environ.get(ADDRESS) or "auto",
             namespace=namespace,
             logging_level=logging.WARNING,
             log_to_driver=False,
+            **node,
         )
     except ConnectionError as exc:
         raise error(
