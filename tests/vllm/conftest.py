@@ -4,6 +4,8 @@ its engines; the Ray session is the whole run's (tests/conftest.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,44 @@ from vllm_harness import save_llama, start_engine
 
 # Ray's workers cannot import the tests directory: ship the engine actor by value.
 cloudpickle.register_pickle_by_value(vllm_harness)
+
+SHM = "/dev/shm"
+# vLLM's shared memory: its message queues' (multiprocessing's psm_) and its CPU
+# tensor-parallel communicator's. An engine whose actor is killed cannot unlink them.
+VLLM_SHM_PREFIXES = ("psm_", "vllm_dist_")
+
+
+def _in_use() -> set[str]:
+    """Names under /dev/shm that a live process has open or mapped."""
+    used: set[str] = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                    if target.startswith(SHM + "/"):
+                        used.add(target[len(SHM) + 1 :].split(" ")[0])
+            with open(f"/proc/{pid}/maps") as maps:
+                used.update(
+                    line.split(SHM + "/", 1)[1].split()[0] for line in maps if SHM + "/" in line
+                )
+    return used
+
+
+def _vllm_shm() -> set[str]:
+    return {n for n in os.listdir(SHM) if n.startswith(VLLM_SHM_PREFIXES)}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_vllm_shm_left() -> Iterator[None]:
+    """At the end, remove the vLLM shared memory this run made that no process
+    still uses (engines are stopped by killing their actors): ~500 files a day
+    piled up here before. Files of other runs on the machine are left alone."""
+    before = _vllm_shm()
+    yield
+    for name in (_vllm_shm() - before) - _in_use():
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(SHM, name))
 
 
 @pytest.fixture(scope="module")
