@@ -29,10 +29,11 @@ one of each system per round:
   under ``/dev/shm``, D finds and loads them;
 - ``D prefills the prompt``: D's ``generate`` of one token of a fresh prompt.
 
-After the rounds, for each connector that holds blocks (raydirect, NIXL): P's
-CPU (engine core and worker processes, ``/proc``) over a window with nothing
-held, and over a window of the same length after P finished a 512-token prompt
-for D and before D read it, with the threads that used 5% of a core or more.
+After the rounds, for each connector that holds blocks (NIXL, then raydirect
+once NIXL's engines are gone): P's CPU (engine core and worker processes,
+``/proc``) over a window with nothing held, and over a window of the same length
+after P finished a 512-token prompt for D and before D read it, with the
+threads that used 5% of a core or more.
 
 NIXL rows run only when asked for (``--groups nixl``: its progress thread spins
 for the engines' whole life, on both cores here) and need NIXL in the vLLM venv.
@@ -235,11 +236,18 @@ def _run(
         _rounds(family, ops, n, ctx)
     hold = HOLD_TOKENS if HOLD_TOKENS in sizes else sizes[0]
     samples = 1 if ctx.config.quick else 3
-    for system, p, d in ((RD_HANDOFF, "p", "d"), (NIXL_HANDOFF, "pn", "dn")):
+    # NIXL's first, then its engines go: their progress threads spin on both
+    # cores, and a window on a busy machine measures the share P got, not its need.
+    for system, p, d in ((NIXL_HANDOFF, "pn", "dn"), (RD_HANDOFF, "p", "d")):
         row = rows[(system, hold)]
         if p in engines and row.error is None and row.skipped is None:
             prompts = [_prompt(hold, HOLD_SEED + i) for i in range(samples)]
             measure_holding(engines[p], engines[d], row, prompts)
+        if p == "pn" and p in engines:
+            nixl = [engines.pop(k) for k in ("pn", "dn")]
+            ray.wait([e.shutdown.remote() for e in nixl], num_returns=2, timeout=60)
+            for engine in nixl:
+                ray.kill(engine)
 
 
 Operation = Callable[[list[int]], dict[str, float]]
