@@ -1,4 +1,4 @@
-"""raydirect against Ray's object store and Ray's RDT, ten workloads, one Ray session.
+"""raydirect against Ray's object store and Ray's RDT, eleven workloads, one Ray session.
 
 1. actor -> actor, one tensor, 4 KiB ... 1 GiB
 2. weight sync: a 256 MiB state dict of 200 tensors to 1, 2 and 4 consumers
@@ -13,11 +13,14 @@
    --workloads 9; elsewhere its rows are skipped)
 10. ranged reads of a long-lived region: 1 MiB and 16 MiB of 8 KiB KV blocks (µs per read),
    against one in-process copy of the same runs and a NIXL READ of them (--groups ...,nixl)
+11. the KV hand-off between two vLLM engines through RaydirectConnector, prompts of 128,
+   512 and 2,048 tokens, beside NixlConnector (--groups ...,nixl), ExampleConnector and D
+   prefilling itself, and P's CPU while it holds blocks (needs vLLM, as 9: --workloads 11)
 
 Every value moved is checked. Tables (markdown, with ratios) go to stdout,
 progress lines to stderr. See benchmarks/README.md for what each row means.
 
-    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7,8,9,10] [--quick] [--groups ...]
+    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7,8,9,10,11] [--quick] [--groups ...]
                           [--json out.json] [--plot out.png]
 """
 
@@ -71,6 +74,7 @@ DEFAULTS = {  # option -> (full run, --quick)
     "sync_steps": (10, 2),
     "medium_sizes": ("4KiB,64KiB,256KiB,1MiB,4MiB,16MiB", "4KiB,1MiB"),
     "rounds": (40, 3),
+    "kv_rounds": (10, 2),
 }
 REPEATS, QUICK_REPEATS = 5, 2
 LARGE_REPEATS = 3  # full run: for operations moving LARGE_REPEATS_FROM bytes or more
@@ -88,7 +92,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return f"[{full} / {quick}]"
 
     parser.add_argument(
-        "--workloads", default="1,2,3,4,5,6,7,8,9,10", help="which workloads to run, e.g. 1,3 [all]"
+        "--workloads",
+        default="1,2,3,4,5,6,7,8,9,10,11",
+        help="which workloads to run, e.g. 1,3 [all]",
     )
     parser.add_argument(
         "--groups",
@@ -136,6 +142,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         f"{default('rounds')}",
     )
     parser.add_argument(
+        "--kv-rounds", type=int, help=f"workload 11: interleaved rounds {default('kv_rounds')}"
+    )
+    parser.add_argument(
         "--plot", metavar="PNG", help="write GB/s against size (workloads 1 and 2) here"
     )
     args = parser.parse_args(argv)
@@ -170,6 +179,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args.consumer_list = ints(pick("consumers"), "--consumers")
     args.round_trip_count = ints(pick("round_trips"), "--round-trips")[0]
     args.round_count = ints(pick("rounds"), "--rounds")[0]
+    args.kv_round_count = ints(pick("kv_rounds"), "--kv-rounds")[0]
     args.group_list = [g.strip() for g in args.groups.split(",") if g.strip()]
     unknown = set(args.group_list) - set(GROUPS)
     if unknown:
@@ -209,6 +219,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         medium_sizes=args.medium_list,
         medium_rounds=args.round_count,
         quick=args.quick,
+        kv_rounds=args.kv_round_count,
     )
     # PyTorch reads this on its first large allocation: set before any, so the
     # in-process floors get the same allocator as the workers.
@@ -257,6 +268,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "driver_bytes": config.driver_bytes,
             "medium_sizes": config.medium_sizes,
             "medium_rounds": config.medium_rounds,
+            "kv_rounds": config.kv_rounds,
             "quick": args.quick,
             "ray_num_cpus": RAY_NUM_CPUS,
         }

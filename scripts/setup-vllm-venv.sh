@@ -12,7 +12,7 @@
 #   break `transformers` imports next to the CPU torch ("operator torchvision::nms
 #   does not exist"). Nothing here needs them, so they go.
 # - RAYDIRECT_VLLM_NIXL=1 also installs NIXL (never by default: CI leaves it out),
-#   for the NixlConnector rows of benchmarks/kv_handoff.py: nixl-cu12 (68.6 MB,
+#   for the NixlConnector rows of `raydirect bench`'s workload 11: nixl-cu12 (68.6 MB,
 #   CPU-only machines too) and the 11 KB `nixl` alias vLLM imports, without its
 #   dependencies (it would pull nixl-cu13 too, docs/nixl.md).
 set -euo pipefail

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 CLI = [sys.executable, "-m", "raydirect.cli"]
-WORKLOADS = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}
+WORKLOADS = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}
 
 
 def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
@@ -32,6 +32,7 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
         "--repeats", "1",
         "--medium-sizes", "4KiB,1MiB",
         "--rounds", "2",
+        "--kv-rounds", "1",
     ]  # fmt: skip
     png = tmp_path / "bench.png"
     plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
@@ -81,10 +82,11 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
         }, system
     nixl = [r for r in rows if r["workload"] == 10 and r["system"].startswith("nixl")]
     assert nixl and all("nixl" in (r["skipped"] or "") for r in nixl), nixl
-    # workload 9 runs where vLLM is installed (.venv-vllm); here its rows say how to
+    # workloads 9 and 11 run where vLLM is installed (.venv-vllm); here their rows say how to
     if importlib.util.find_spec("vllm") is None:
-        nine = [r for r in rows if r["workload"] == 9]
-        assert nine and all("setup-vllm-venv.sh" in (r["skipped"] or "") for r in nine), nine
+        nine = [r for r in rows if r["workload"] in (9, 11)]
+        assert {r["workload"] for r in nine} == {9, 11}, nine
+        assert all("setup-vllm-venv.sh" in (r["skipped"] or "") for r in nine), nine
     # the floor of a sharded load: one copy of rank 0's bytes, in one process
     assert (6, "floor: in-process copy, 4-way sharded") in systems
     # workload 7: 2 ranks -> 2 workers (the consumer counts from 2), every system and
@@ -265,6 +267,32 @@ def test_vllm_targets_judge_the_stall_beside_the_update_times():
     assert f"| {TP1} | {NAIVE} | 1 | 400.0 | 540.0 | 2.00x | 1.67x | 50.0 | 60.0 |" in lines
     assert f"| {TP1} | {RAYDIRECT} | worker bytes / its parameters 1.00 |" in lines
     assert vllm_targets([]) == ""
+
+
+def test_kv_handoff_targets_and_p_cpu_while_holding():
+    """Workload 11's summary: each size's ratios to NIXL's medians, judged as
+    printed, and P's CPU while it holds blocks beside P idle."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from rdbench.common import Row
+    from rdbench.kv_handoff import NIXL_HANDOFF, NIXL_TRANSFER, RD_HANDOFF, RD_TRANSFER, kv_targets
+    from rdbench.kv_holding import HOLDING, IDLE
+
+    def row(system: str, ms: float) -> Row:
+        return Row(11, system, "128 tokens", 128, 8 << 20, unit="us", times_s=[ms / 1e3] * 3)
+
+    ours, theirs = row(RD_HANDOFF, 18.0), row(NIXL_HANDOFF, 40.0)  # 0.45x: met
+    ours.measured.update({IDLE: 0.01, HOLDING: 0.05})
+    theirs.measured.update({IDLE: 0.97, HOLDING: 1.05})
+    for r, note in ((ours, "holding: none; idle: none"), (theirs, "holding: x; idle: x")):
+        r.samples.update({IDLE: [r.measured[IDLE]], HOLDING: [r.measured[HOLDING]]})
+        r.note = note
+    rows = [ours, row(RD_TRANSFER, 3.0), theirs, row(NIXL_TRANSFER, 2.0)]  # 1.50x: missed
+    text = kv_targets(rows)
+    assert "hand-off, at most 0.6x | 128 tokens | 0.45x | - | yes |" in text
+    assert "transfer, at most 0.6x | 128 tokens | 1.50x | - | no |" in text
+    assert "| RaydirectConnector | 128 tokens | 0.01 | 0.05 | yes | holding: none" in text
+    assert "| NixlConnector | 128 tokens | 0.97 | 1.05 | yes |" in text
+    assert "128 tokens: 8 MiB" in text
 
 
 def test_resharding_floors_copy_what_each_system_copies():

@@ -15,7 +15,7 @@ import pytest
 import torch
 from ray import cloudpickle
 
-from raydirect import _collector, _compression, _payload
+from raydirect import _collector, _compression, _payload, _region_reads
 from raydirect._into import MatchedTargets, describe_targets, match
 from raydirect._payload import Payload, ProducerInfo
 from raydirect._producer import _byte_views
@@ -296,3 +296,24 @@ def test_a_few_whole_tensors_are_read_in_one_call():
     assert not cma._read_few(os.getpid(), one, Ranges.of_whole([big]), _own_link())
     unmapped = np.array([8], dtype=np.int64)  # cut short: the general path says why
     assert not cma._read_few(os.getpid(), unmapped, Ranges.of_whole(dests[:1]), _own_link())
+
+
+def test_a_ranged_read_of_a_few_runs_is_read_in_one_call():
+    """A short prompt's KV blocks (a run per layer: 16 of 512 KiB at 128 tokens)
+    skip the span planning too: one call, each run where its row says. More than
+    64 runs, or over 16 MiB, is the general path's."""
+    g = torch.Generator().manual_seed(9)
+    sources = [torch.randint(0, 255, (1 << 16,), dtype=torch.uint8, generator=g) for _ in range(3)]
+    addresses = np.array([t.data_ptr() for t in sources], dtype=np.int64)
+    dest = torch.zeros(1 << 16, dtype=torch.uint8)
+    base = np.array([dest.data_ptr()], dtype=np.int64)
+
+    def ranges(rows: list[list[int]]) -> Ranges:  # as rd.read_ranges lays its rows out
+        return _region_reads._ranges(np.array(rows, dtype=np.int64), [dest], base)
+
+    rows = [[2, 100, 4000, 0, 0], [0, 0, 5, 0, 9000], [1, 60000, 5536, 0, 20000]]
+    assert cma._read_few(os.getpid(), addresses, ranges(rows), _own_link())
+    for tensor, offset, length, _, at in rows:
+        assert torch.equal(dest[at : at + length], sources[tensor][offset : offset + length])
+    many = [[0, 8 * i, 4, 0, 8 * i] for i in range(65)]
+    assert not cma._read_few(os.getpid(), addresses, ranges(many), _own_link())

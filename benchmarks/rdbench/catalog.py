@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from rdbench.common import OBJECT_STORE, PLAIN_CALL, RDT_GLOO, Workload
 from rdbench.driver import to_driver
+from rdbench.kv_handoff import NIXL_HANDOFF, NIXL_TRANSFER, kv_handoff, kv_targets
 from rdbench.medium import TWO_CALLS, medium, medium_targets
 from rdbench.regions import FLOOR_GATHER, NIXL_READ, region_reads
 from rdbench.reshard import GATHER_PUBLISH, reshard, reshard_targets
@@ -98,6 +99,15 @@ WORKLOADS = {
             "us",
             (FLOOR_GATHER, NIXL_READ),
             region_reads,
+        ),
+        Workload(
+            11,
+            "KV hand-off between two vLLM engines (prefill -> decode), Llama-3.2-1B's KV",
+            "prompt",
+            "us",
+            (NIXL_HANDOFF, NIXL_TRANSFER),
+            kv_handoff,
+            kv_targets,
         ),
     ]
 }

@@ -47,6 +47,7 @@ class Config:
     medium_sizes: list[int] = field(default_factory=list)  # workload 8
     medium_rounds: int = 40  # workloads 8 and 10: interleaved rounds after the cold one
     quick: bool = False  # workload 9: a small model instead of ~320 MiB
+    kv_rounds: int = 10  # workload 11: interleaved rounds after the cold one
 
     def wants(self, group: str) -> bool:
         return group in self.groups
@@ -93,7 +94,7 @@ class Context:
             log(f"starting RDT's producer and {consumers} consumer(s)")
             self._rdt_actors = [RdtProducer.remote()]
             self._rdt_actors += [RdtConsumer.remote() for _ in range(consumers)]
-        shared = set(cfg.workloads) - {7, 9, 10}  # 7, 9 and 10 start their own processes
+        shared = set(cfg.workloads) - {7, 9, 10, 11}  # these start their own processes
         if shared and (cfg.wants(GROUP_RAYDIRECT) or cfg.wants(GROUP_RAY) or cfg.wants(GROUP_NIXL)):
             producers = PRODUCERS_W4 if 4 in cfg.workloads else 1
             self.producers(producers, wait=False)

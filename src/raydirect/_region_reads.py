@@ -309,6 +309,14 @@ def _destinations(into: Any) -> list[torch.Tensor]:
 
 
 def _destination(value: Any, i: int) -> torch.Tensor:
+    if (
+        type(value) is torch.Tensor
+        and value.dtype == torch.uint8
+        and value.dim() == 1
+        and value.device.type == "cpu"
+        and value.is_contiguous()
+    ):
+        return value  # already what a row lands in (a KV cache's storage): no view made
     if isinstance(value, (bytearray, memoryview)):
         view = memoryview(value)
         if view.readonly or not view.c_contiguous:

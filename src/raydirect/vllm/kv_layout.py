@@ -143,7 +143,7 @@ def block_rows(
     if set(source) != set(dest):
         missing = sorted(set(source) ^ set(dest))[:4]
         raise ValueError(f"the two KV caches have other layers (e.g. {missing})")
-    tables = []
+    pairs = []  # per (layer, run): source tensor, offset, stride; length; dest tensor, ...
     for name in sorted(dest):
         theirs, ours = source[name], dest[name]
         if not theirs.same_block_shape(ours):
@@ -153,14 +153,28 @@ def block_rows(
                 "size, dtype, head count or attention backend)"
             )
         for src_off, dst_off in zip(theirs.offsets, ours.offsets, strict=True):
-            table = np.empty((len(src), 5), dtype=np.int64)
-            table[:, 0] = theirs.tensor
-            table[:, 1] = theirs.base + src * theirs.block_stride + src_off
-            table[:, 2] = ours.length
-            table[:, 3] = ours.tensor
-            table[:, 4] = ours.base + dst * ours.block_stride + dst_off
-            tables.append(table)
-    return np.concatenate(tables) if tables else np.empty((0, 5), dtype=np.int64)
+            pairs.append(
+                (
+                    theirs.tensor,
+                    theirs.base + src_off,
+                    theirs.block_stride,
+                    ours.length,
+                    ours.tensor,
+                    ours.base + dst_off,
+                    ours.block_stride,
+                )
+            )
+    if not pairs:
+        return np.empty((0, 5), dtype=np.int64)
+    # One table for every (layer, run) at once: a numpy op per column, not per layer.
+    runs = np.array(pairs, dtype=np.int64)[:, :, None]
+    table = np.empty((len(pairs), len(src), 5), dtype=np.int64)
+    table[:, :, 0] = runs[:, 0]
+    table[:, :, 1] = runs[:, 1] + src * runs[:, 2]
+    table[:, :, 2] = runs[:, 3]
+    table[:, :, 3] = runs[:, 4]
+    table[:, :, 4] = runs[:, 5] + dst * runs[:, 6]
+    return table.reshape(-1, 5)
 
 
 def layers_from_dict(value: object) -> dict[str, LayerRuns]:

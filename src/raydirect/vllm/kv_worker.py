@@ -10,7 +10,8 @@ vLLM frees the blocks.
 
 Decode side: each read runs on a small pool of threads (idle threads block;
 nothing polls): ``rd.read_ranges`` straight from the prefill worker's memory into
-the request's newly allocated blocks, then a notice, all bounded by the lease.
+the request's newly allocated blocks, bounded by the lease; the request is
+reported done, then the prefill worker is sent its notice.
 A read that fails (the prefill engine gone, the lease over, another layout)
 reports its blocks as load errors, so vLLM's ``kv_load_failure_policy``
 recomputes them or fails the request.
@@ -192,6 +193,9 @@ class KVWorker:
                 }
             )
             self._done.add(read.request_id)
+        # Only now: the request goes on while the notice waits for the prefill
+        # engine's agent, whose reply is slow while that engine steps.
+        self._notify(read)
 
     def _read(self, read: Read) -> int:
         assert self.layout is not None
@@ -204,11 +208,7 @@ class KVWorker:
                 f"{left + READ_MARGIN_S:.1f}s: too late to read them"
             )
         return rd.read_ranges(
-            handoff.regions[self.rank],
-            rows,
-            into=self.layout.storages,
-            timeout=left,
-            notify={"request": handoff.remote_request_id},
+            handoff.regions[self.rank], rows, into=self.layout.storages, timeout=left
         )
 
     def _notify(self, read: Read) -> None:
