@@ -215,6 +215,22 @@ def current_actor_handle() -> ray.actor.ActorHandle | None:
         return None
 
 
+def _none_each(actor: Any, n: int) -> list[None]:
+    return [None] * n
+
+
+def mint_own_refs(handle: ray.actor.ActorHandle, n: int) -> list[ray.ObjectRef]:
+    """``n`` refs owned by this actor, minted as the returns of one task it sends
+    itself (``__ray_call__``, Ray's hook for running a function on an actor).
+    Small returns live in this process's memory store: no plasma object, no
+    raylet pin, unlike ``ray.put``. Blocks until the task has run, which a busy
+    single-threaded actor delays; raises what ``.remote()`` raises (a
+    ``max_pending_calls`` limit reached)."""
+    refs: list[ray.ObjectRef] = handle.__ray_call__.options(num_returns=n).remote(_none_each, n)
+    ray.wait(refs, num_returns=n, fetch_local=False)
+    return list(refs)
+
+
 def declared_num_returns(method: Any) -> Any:
     """What ``@ray.method(num_returns=...)`` declared on ``method`` (1 if nothing);
     Ray stores it as a private attribute, read at call time."""
