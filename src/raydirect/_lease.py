@@ -9,13 +9,15 @@ In an actor a lease is one of the returns of a task the actor sends itself
 (``_ray.mint_own_refs``, 64 per task): it lives in the actor's memory store.
 Ray 2.60 makes every ``ray.put`` a plasma object instead (it inlines puts only
 in local mode), pinned by the raylet with its own eviction pubsub: measured in
-blocks of consecutive transfers, a ``ray.put`` lease adds 1.6-2.9 ms and about
-4 ms of CPU to a 1 MiB transfer, a minted one 1.0-1.5 ms and 2 ms. Leases are
-minted ahead by a background thread; a call takes one (registering the callback
-costs ~2 us). ``ray.put`` stays the lease where none is ready: in a driver or a
-task (no actor to call), while a long method holds a single-threaded actor (its
-self-call waits behind it), or under a ``max_pending_calls`` limit. ``rd.put``
-takes no lease at all: its callback sits on its own put ref.
+blocks of consecutive transfers, a ``ray.put`` lease adds 1.2-2.9 ms and
+2.4-4 ms of CPU to a 1 MiB transfer, a minted one 0.8-1.1 ms and 1.4-2.4 ms
+(docs/benchmarks.md, workload 8). Leases are minted ahead by a background
+thread; a call takes one (registering the callback costs ~2 us). ``ray.put``
+stays the lease where none is ready: in a driver or a task (no actor to call),
+while a long method holds a single-threaded actor (its self-call waits behind
+it), or under a ``max_pending_calls`` limit. ``rd.put`` takes no lease at all:
+its callback sits on its own put ref; ``@rd.method(reads=, ttl=)`` neither
+(``_lifetime``).
 """
 
 from __future__ import annotations
