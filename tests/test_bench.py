@@ -274,7 +274,14 @@ def test_kv_handoff_targets_and_p_cpu_while_holding():
     printed, and P's CPU while it holds blocks beside P idle."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     from rdbench.common import Row
-    from rdbench.kv_handoff import NIXL_HANDOFF, NIXL_TRANSFER, RD_HANDOFF, RD_TRANSFER, kv_targets
+    from rdbench.kv_handoff import (
+        FLOOR,
+        NIXL_HANDOFF,
+        NIXL_TRANSFER,
+        RD_HANDOFF,
+        RD_TRANSFER,
+        kv_targets,
+    )
     from rdbench.kv_holding import HOLDING, IDLE
 
     def row(system: str, ms: float) -> Row:
@@ -287,9 +294,10 @@ def test_kv_handoff_targets_and_p_cpu_while_holding():
         r.samples.update({IDLE: [r.measured[IDLE]], HOLDING: [r.measured[HOLDING]]})
         r.note = note
     rows = [ours, row(RD_TRANSFER, 3.0), theirs, row(NIXL_TRANSFER, 2.0)]  # 1.50x: missed
+    rows.append(row(FLOOR, 1.5))  # the transfer's floor: 0.75x NIXL's
     text = kv_targets(rows)
     assert "hand-off, at most 0.6x | 128 tokens | 0.45x | - | yes |" in text
-    assert "transfer, at most 0.6x | 128 tokens | 1.50x | - | no |" in text
+    assert "transfer, at most 0.6x | 128 tokens | 1.50x | 0.75x | no |" in text
     assert "| RaydirectConnector | 128 tokens | 0.01 | 0.05 | yes | holding: none" in text
     assert "| NixlConnector | 128 tokens | 0.97 | 1.05 | yes |" in text
     assert "128 tokens: 8 MiB" in text

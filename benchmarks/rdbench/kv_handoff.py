@@ -27,7 +27,10 @@ one of each system per round:
   logged, and the NIXL transfer rows' note says where the two main threads run;
 - ``ExampleConnector hand-off``: P writes each prompt's KV as safetensors files
   under ``/dev/shm``, D finds and loads them;
-- ``D prefills the prompt``: D's ``generate`` of one token of a fresh prompt.
+- ``D prefills the prompt``: D's ``generate`` of one token of a fresh prompt;
+- ``floor``: one copy of the prompt's KV runs in the driver, one thread, into
+  memory written before (as D's cache is): each layer's blocks, 512 KiB each.
+  What no transfer of these bytes can beat on this machine.
 
 After the rounds, for each connector that holds blocks (NIXL, then raydirect
 once NIXL's engines are gone): P's CPU (engine core and worker processes,
@@ -48,6 +51,7 @@ import shutil
 import socket
 import statistics
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -90,7 +94,9 @@ NIXL_HANDOFF = "NixlConnector hand-off"
 NIXL_TRANSFER = "NixlConnector transfer"
 EXAMPLE = "ExampleConnector hand-off"
 PREFILL = "D prefills the prompt"
+FLOOR = "floor: one copy of the prompt's KV runs"
 TARGETS = [(RD_HANDOFF, NIXL_HANDOFF, 0.6), (RD_TRANSFER, NIXL_TRANSFER, 0.6)]
+BLOCK_TOKENS, LAYERS = 128, GEOMETRY["num_hidden_layers"]
 INSTALL = (
     "vLLM is not installed here; run: bash scripts/setup-vllm-venv.sh && "
     ".venv-vllm/bin/python benchmarks/bench.py --workloads 11"
@@ -145,7 +151,7 @@ def kv_handoff(ctx: Context) -> list[Row]:
     return list(rows.values())
 
 
-SYSTEMS = (RD_HANDOFF, RD_TRANSFER, NIXL_HANDOFF, NIXL_TRANSFER, EXAMPLE, PREFILL)
+SYSTEMS = (RD_HANDOFF, RD_TRANSFER, NIXL_HANDOFF, NIXL_TRANSFER, EXAMPLE, PREFILL, FLOOR)
 
 
 def _why_not(ctx: Context) -> dict[str, str]:
@@ -287,11 +293,33 @@ def _operations(engines: dict[str, Any], kv_actors: Any) -> dict[str, Operation]
     if "d" in engines:
         ops[RD_HANDOFF] = raydirect
     ops[PREFILL] = prefill
+    ops[FLOOR] = _floor()
     ops[EXAMPLE] = example
     if "dn" in engines:
         ray.get(engines["dn"].rpc.remote(kv_actors.nixl_reads), timeout=SETUP_TIMEOUT_S)  # records
         ops[NIXL_HANDOFF] = nixl
     return ops
+
+
+def _floor() -> Operation:
+    """The floor row's operation (the module's docstring)."""
+    run = BLOCK_TOKENS * KV_BYTES_PER_TOKEN // LAYERS  # one layer's block: 512 KiB
+    src = torch.ones(LAYERS, max(SIZES) // BLOCK_TOKENS, run, dtype=torch.uint8)
+    dst = torch.zeros_like(src)
+
+    def copy(ids: list[int]) -> dict[str, float]:
+        blocks = -(-len(ids) // BLOCK_TOKENS)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            start = time.perf_counter()
+            for layer in range(LAYERS):
+                dst[layer, :blocks].copy_(src[layer, :blocks])
+            return {FLOOR: time.perf_counter() - start}
+        finally:
+            torch.set_num_threads(threads)
+
+    return copy
 
 
 def _rounds(family: dict[str, Row], ops: dict[str, Operation], n: int, ctx: Context) -> None:
@@ -332,8 +360,10 @@ def kv_targets(rows: Sequence[Row]) -> str:
         for mine, base, bound in TARGETS:
             a, b = ms.get((mine, point)), ms.get((base, point))
             got = a / b if a is not None and b else None
-            lines.append(TargetLine(f"{mine} / {base}", bound, True, point, got, None))
-    title = "Targets (ratios of median times in this run):"
+            copy = ms.get((FLOOR, point)) if mine == RD_TRANSFER else None
+            floor = copy / b if copy is not None and b else None
+            lines.append(TargetLine(f"{mine} / {base}", bound, True, point, got, floor))
+    title = "Targets (ratios of median times in this run; a transfer's floor: one copy):"
     parts = [render_targets(lines, title), holding_table(rows)]
     kv = ", ".join(f"{r.param}: {r.nbytes / MIB:.0f} MiB" for r in rows if r.system == RD_HANDOFF)
     parts.append(f"KV per prompt (16 layers x 8 heads x 64 x K, V x float32): {kv}.")
