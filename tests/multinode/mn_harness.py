@@ -51,6 +51,7 @@ NS_NET, BRIDGE = "rdnet", "rdbr"  # the switch every node's link plugs into
 # What ``auto`` picks between the two nodes (one venv runs both): nixl when it
 # is installed, else tcp (the test objects share no group).
 CROSS_NODE = "nixl" if nixl.installed() else "tcp"
+_OUTER_CLUSTER = ("RAY_ADDRESS", "RAY_NAMESPACE", "RAYDIRECT_NODE_IP", "GLOO_SOCKET_IFNAME")
 VETH = "rdveth"  # the name of the veth end inside each namespace
 GCS_PORT = 6379
 ADDRESS = f"{ADDR_HEAD}:{GCS_PORT}"
@@ -337,7 +338,9 @@ class Cluster:
         env = {
             k: v
             for k, v in os.environ.items()
-            if k not in ("RAY_ADDRESS", "GLOO_SOCKET_IFNAME") and not k.startswith("RAY_AUTH")
+            # what names the test process's own cluster (the vLLM plug-in exports
+            # RAY_NAMESPACE and RAYDIRECT_NODE_IP there) is not this cluster's
+            if k not in _OUTER_CLUSTER and not k.startswith("RAY_AUTH")
         }
         env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=self.token, PYTHONUNBUFFERED="1")
         # The "nodes" are namespaces of one machine: UCX (NIXL, where installed) would

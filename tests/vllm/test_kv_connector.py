@@ -24,7 +24,7 @@ import ray
 from ray import cloudpickle
 from vllm_harness import ENGINE_START_TIMEOUT_S, Engine, prompt, save_llama
 
-from raydirect.vllm.cluster import NODE_IP
+from raydirect.vllm.cluster import NODE_IP, export_ray_context
 
 from helpers import wait_for
 
@@ -255,6 +255,22 @@ def test_workers_join_ray_on_their_engines_node(engines: dict) -> None:
     test_kv_multinode.py runs that case)."""
     [(named, joined)] = ray.get(engines["p"].collective_rpc.remote(_node), timeout=CALL_S)
     assert named == joined == ray.util.get_node_ip_address()
+
+
+def test_an_inherited_node_is_replaced_by_the_processs_own(ray_session: None) -> None:
+    """A process that inherited another node's address (CI: the test process had
+    exported its own, and a multi-node driver started from it passed it on to
+    engines on other nodes, whose workers then failed to join) exports its own."""
+    before = os.environ.get(NODE_IP)
+    os.environ[NODE_IP] = "192.0.2.250"  # TEST-NET-1: no node of this cluster
+    try:
+        export_ray_context()
+        assert os.environ[NODE_IP] == ray.util.get_node_ip_address()
+    finally:
+        if before is None:
+            os.environ.pop(NODE_IP, None)
+        else:
+            os.environ[NODE_IP] = before
 
 
 def _node(_worker: Any) -> tuple[str | None, str]:

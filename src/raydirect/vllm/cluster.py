@@ -66,20 +66,18 @@ _exported: dict[str, str] = {}  # what export_ray_context set, by variable
 def export_ray_context() -> None:
     """In a process connected to Ray (e.g. an ``LLM`` inside a Ray actor): makes
     the processes it starts (vLLM's engine core and workers) join the same
-    cluster and namespace, as processes of its node. A value the user set is
-    kept; one this function set follows the process's current Ray connection (it
-    may have reconnected)."""
+    cluster and namespace, as processes of its node. A cluster or namespace the
+    user set is kept; one this function set follows the process's current Ray
+    connection (it may have reconnected). The node is always this process's: a
+    value inherited from a process on another node (a driver that started this
+    one) would make the workers join as that node's processes, and fail."""
     if not ray.is_initialized():
         return
     context = ray.get_runtime_context()
-    exported = (
-        (ADDRESS, context.gcs_address),
-        (NAMESPACE, context.namespace),
-        (NODE_IP, ray.util.get_node_ip_address()),
-    )
-    for name, value in exported:
+    for name, value in ((ADDRESS, context.gcs_address), (NAMESPACE, context.namespace)):
         if os.environ.get(name) in (None, "", _exported.get(name)):
             os.environ[name] = _exported[name] = value
+    os.environ[NODE_IP] = ray.util.get_node_ip_address()
 
 
 def join(trainer: Trainer) -> str:
