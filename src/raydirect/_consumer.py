@@ -113,8 +113,7 @@ def fetch_tensors(
     if payload.producer.process_token == _process.PROCESS_TOKEN:
         obj = _own_object(payload)
         store.count_received("local", obj.nbytes)
-        if obj.live is not None:
-            lifetimes.count_read(obj.obj_id)
+        lifetimes.count_read(obj)
         return on_device(_fill(list(obj.originals), into, gate), metas, device)
     name = choose_transport(payload, forced)
     if not transport_class(name).byte_transport:
@@ -176,8 +175,7 @@ def fetch_ranges(
         with _writing(gate):
             _copy_ranges(obj.buffers, ranges)
         store.count_received("local", ranges.nbytes)
-        if obj.live is not None:
-            lifetimes.count_read(obj.obj_id)
+        lifetimes.count_read(obj)
         return
     name = choose_transport(payload, forced)
     if not transport_class(name).byte_transport:

@@ -113,17 +113,20 @@ class Lifetimes:
                 self._lock.notify_all()
         return address
 
-    def count_read(self, obj_id: bytes) -> None:
-        """One read of ``obj_id`` made; the last its lifetime allows frees it."""
+    def count_read(self, obj: StoredObject) -> None:
+        """One read of ``obj`` made; the last its lifetime allows frees it. Free
+        for the others: an object with no lifetime has no ``live``."""
+        if obj.live is None:
+            return
         with self._lock:
-            tracked = self._tracked.get(obj_id)
+            tracked = self._tracked.get(obj.obj_id)
             if tracked is None or tracked.ended or tracked.reads_left is None:
                 return
             tracked.reads_left -= 1
             if tracked.reads_left > 0:
                 return
             reads = tracked.lifetime.reads
-            self._end(obj_id, f"after its {reads} read{'s' if reads != 1 else ''}", tracked)
+            self._end(obj.obj_id, f"after its {reads} read{'s' if reads != 1 else ''}", tracked)
 
     def release(self, obj: StoredObject) -> None:
         """On ``obj``'s free (the reaper): no cross-memory read succeeds from now

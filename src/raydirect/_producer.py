@@ -399,8 +399,7 @@ def _serve_fetch(obj: StoredObject, request: dict[str, Any], reply: Reply) -> No
     obj.check_unmodified()
     with obj.serving():  # a region: its close waits until this read is off its memory
         store.count_sent(name, transport.serve(obj, request, reply))
-    if obj.live is not None:
-        lifetimes.count_read(obj.obj_id)
+    lifetimes.count_read(obj)
 
 
 def _serve_sent(request: dict[str, Any], reply: Reply) -> None:
@@ -432,8 +431,7 @@ def _count_read(read: Any) -> int:
     obj, held = found
     if obj is not None:
         obj.check_unmodified()
-        if obj.live is not None:
-            lifetimes.count_read(obj.obj_id)
+        lifetimes.count_read(obj)
     store.count_sent(str(transport)[:32], min(nbytes, held) if nbytes >= 0 else held)
     return 1
 

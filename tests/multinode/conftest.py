@@ -25,11 +25,8 @@ def cluster() -> Iterator[mn_harness.Cluster]:
     reason = mn_harness.unavailable_reason()
     if reason:
         pytest.skip(f"multi-node tests skipped: {reason}")
-    nodes = mn_harness.Cluster().start()  # tears itself down if starting fails
-    try:
+    with mn_harness.started() as nodes:
         yield nodes
-    finally:
-        nodes.teardown()
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +35,8 @@ def cluster3() -> Iterator[mn_harness.Cluster]:
     reason = mn_harness.unavailable_reason()
     if reason:
         pytest.skip(f"multi-node tests skipped: {reason}")
-    nodes = mn_harness.Cluster(workers=2, num_cpus=2).start()
-    try:
+    with mn_harness.started(workers=2, num_cpus=2) as nodes:
         yield nodes
-    finally:
-        nodes.teardown()
 
 
 @pytest.fixture(scope="session")

@@ -35,6 +35,21 @@ def send(event: str, **fields: Any) -> None:
     print(MESSAGE_PREFIX + json.dumps({"event": event, **fields}, default=str), flush=True)
 
 
+def run(address: str, nodes: tuple[str, ...], scenario: Callable[[], dict[str, Any]]) -> None:
+    """A driver's life: join the cluster at ``address``, wait for ``nodes``, send
+    what ``scenario()`` returns as the result (or the crash), leave."""
+    try:
+        ray.init(address=address, logging_level="warning", log_to_driver=True)
+        wait_for_nodes(nodes)
+        send("result", **scenario())
+    except Exception as exc:
+        send("crash", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        raise
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+
+
 # ------------------------------------------------------------------ values
 
 
@@ -379,16 +394,7 @@ SCENARIOS = {"transfers": scenario_transfers, "node_loss": scenario_node_loss}
 
 def main() -> None:
     address, scenario = sys.argv[1], sys.argv[2]
-    try:
-        ray.init(address=address, logging_level="warning", log_to_driver=True)
-        wait_for_nodes(("nodeA", "nodeB"))
-        send("result", **SCENARIOS[scenario](address))
-    except Exception as exc:
-        send("crash", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        raise
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
+    run(address, ("nodeA", "nodeB"), lambda: SCENARIOS[scenario](address))
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import sys
 import time
-import traceback
 from typing import Any
 
 import mn_driver
@@ -170,16 +169,7 @@ SCENARIOS = {"fan_out": scenario_fan_out, "fan_out_loss": scenario_fan_out_loss}
 
 def main() -> None:
     address, scenario = sys.argv[1], sys.argv[2]
-    try:
-        ray.init(address=address, logging_level="warning", log_to_driver=True)
-        mn_driver.wait_for_nodes(("nodeA", "nodeB", "nodeC"))
-        send("result", **SCENARIOS[scenario](address))
-    except Exception as exc:
-        send("crash", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        raise
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
+    mn_driver.run(address, ("nodeA", "nodeB", "nodeC"), lambda: SCENARIOS[scenario](address))
 
 
 if __name__ == "__main__":

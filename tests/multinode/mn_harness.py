@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -488,3 +489,14 @@ class Cluster:
             return driver.expect("result", timeout)
         finally:
             driver.close()
+
+
+@contextlib.contextmanager
+def started(**options: Any) -> Iterator[Cluster]:
+    """A ``Cluster(**options)`` running for the block, torn down after it (it
+    tears itself down if starting fails). Check ``unavailable_reason()`` first."""
+    nodes = Cluster(**options).start()
+    try:
+        yield nodes
+    finally:
+        nodes.teardown()

@@ -13,12 +13,11 @@ from __future__ import annotations
 import os
 import sys
 import time
-import traceback
 from typing import Any
 
 import ray
 import torch
-from mn_driver import GET_TIMEOUT_S, attempt, delta, describe, on, received, send, wait_for_nodes
+from mn_driver import GET_TIMEOUT_S, attempt, delta, describe, on, received, run
 
 import raydirect as rd
 
@@ -176,16 +175,7 @@ def scenario_regions(address: str) -> dict[str, Any]:
 
 def main() -> None:
     address, scenario = sys.argv[1], sys.argv[2]
-    try:
-        ray.init(address=address, logging_level="warning", log_to_driver=True)
-        wait_for_nodes(("nodeA", "nodeB"))
-        send("result", **{"regions": scenario_regions}[scenario](address))
-    except Exception as exc:
-        send("crash", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        raise
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
+    run(address, ("nodeA", "nodeB"), lambda: {"regions": scenario_regions}[scenario](address))
 
 
 if __name__ == "__main__":

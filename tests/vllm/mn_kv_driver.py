@@ -16,7 +16,6 @@ import dataclasses
 import json
 import sys
 import time
-import traceback
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +28,7 @@ import raydirect as rd
 from raydirect.vllm import kv_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "multinode"))
-from mn_driver import GET_TIMEOUT_S, delta, on, send, wait_for_nodes  # noqa: E402
+from mn_driver import GET_TIMEOUT_S, delta, on, run  # noqa: E402
 
 cloudpickle.register_pickle_by_value(vllm_harness)  # Ray's workers cannot import tests/
 
@@ -124,16 +123,7 @@ def scenario(model: str) -> dict[str, Any]:
 
 def main() -> None:
     address, model = sys.argv[1], sys.argv[2]
-    try:
-        ray.init(address=address, logging_level="warning", log_to_driver=True)
-        wait_for_nodes(("nodeA", "nodeB"))
-        send("result", **scenario(model))
-    except Exception as exc:
-        send("crash", error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        raise
-    finally:
-        if ray.is_initialized():
-            ray.shutdown()
+    run(address, ("nodeA", "nodeB"), lambda: scenario(model))
 
 
 if __name__ == "__main__":

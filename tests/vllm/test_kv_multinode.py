@@ -37,11 +37,8 @@ def cluster() -> Iterator[mn_harness.Cluster]:
     reason = mn_harness.unavailable_reason()
     if reason:
         pytest.skip(f"multi-node tests skipped: {reason}")
-    nodes = mn_harness.Cluster().start()  # tears itself down if starting fails
-    try:
+    with mn_harness.started() as nodes:
         yield nodes
-    finally:
-        nodes.teardown()
 
 
 @pytest.fixture(scope="module")
