@@ -28,6 +28,8 @@ def test_options_and_the_blocks_in_order_nixl_last():
         "1MiB",
         "weight sync, 256MiB",
     ]
+    only = parse_args(["--sizes", "1MiB", "--nixl-only"])
+    assert [n for n, _ in blocks(only)] == ["NIXL, 1MiB"]
     with pytest.raises(SystemExit):
         parse_args(["--sizes", "3B"])  # not a whole number of int32 elements
 

@@ -84,6 +84,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--json", metavar="PATH", help="every raw timing ('-': stdout, tables to stderr)")
     add("--md", metavar="PATH", help="the tables, also written after every block")
     add("--no-nixl", action="store_true", help="leave out the NIXL rows")
+    add("--nixl-only", action="store_true", help="only the NIXL rows")
     add("--skip-if-no-gpu", action="store_true", help="exit 0 instead of 2 without a GPU")
     args = parser.parse_args(argv)
     try:
@@ -102,11 +103,11 @@ def blocks(args: argparse.Namespace) -> list[tuple[str, Callable[[Bench], list[R
     """The run's blocks in order, each named; NIXL last (its progress thread keeps
     polling for the life of its process, benchmarks/README.md)."""
     out: list[tuple[str, Callable[[Bench], list[Row]]]] = []
-    for n in args.size_list:
+    for n in [] if args.nixl_only else args.size_list:
         out.append((format_size(n), lambda b, n=n: b.sizes(n)))
-    out.append(
-        (f"weight sync, {format_size(args.state_bytes)}", lambda b: b.weight_sync(args.state_bytes))
-    )
+    if not args.nixl_only:
+        state = format_size(args.state_bytes)
+        out.append((f"weight sync, {state}", lambda b: b.weight_sync(args.state_bytes)))
     if not args.no_nixl:
         for n in args.size_list:
             out.append((f"NIXL, {format_size(n)}", lambda b, n=n: b.nixl_sizes(n)))
