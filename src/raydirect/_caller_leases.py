@@ -46,7 +46,7 @@ from typing import Any
 
 import ray
 
-from raydirect import _channel, _ray, _runtime, _server, _wire
+from raydirect import _channel, _process, _ray, _runtime, _server, _wire
 from raydirect._lease import leases
 from raydirect._server import CONTROL, Reply
 from raydirect._store import store
@@ -65,6 +65,7 @@ _REFILL_BELOW = 16
 # 2 ms, 2.82x / 3.28x / 3.85x with 50 ms.
 _FLUSH_S = 0.002
 _ANSWER_S = 10.0  # for the agent's answer to frees sent on their own
+_IDLE_S = 1.0  # without frees to send: the sending thread closes its channels
 _GIVE_UP_S = 60.0  # frees the producer's agent did not take this long are dropped, logged
 _CALLER_GONE = "its caller, which owned its refs, died"
 
@@ -132,7 +133,8 @@ def _mint(actor: Any, key: str, n: int, opening: bool) -> list[Any]:
     more holding the watch and the agent's address, kept by the caller for life."""
     if not opening:
         return [None] * n
-    return [None] * n + [[ledger.open(key), _runtime.agent().address]]
+    where = [_runtime.agent().address, _ray.node_id(), _process.PID, _process.START_TIME]
+    return [None] * n + [[ledger.open(key), *where]]
 
 
 def _serve_freed(request: dict[str, Any], reply: Reply) -> None:
@@ -155,6 +157,7 @@ class _Pair:
         self.tokens: collections.deque[ray.ObjectRef] = collections.deque()
         self.opening: list[ray.ObjectRef] = []  # the opening mint's last return
         self.agent: str | None = None  # the producer's agent, once the opening is back
+        self.alive: Callable[[], bool] | None = None  # on this node: is it running
         self.freed: list[str] = []
         self.freed_since = 0.0
         self.failing_since: float | None = None  # frees the agent has not taken
@@ -164,8 +167,10 @@ class _Pair:
         if self.agent is None and self.opening:
             ready, _ = ray.wait(self.opening, timeout=0, fetch_local=False)
             if ready:
-                watch, self.agent = ray.get(ready[0])
+                watch, self.agent, node, pid, start = ray.get(ready[0])
                 self.opening.append(watch)  # held as a ref of its own too
+                if node == _ray.node_id():
+                    self.alive = lambda: _process.process_alive(pid, start)
         return self.agent
 
 
@@ -267,26 +272,42 @@ class CallerLeases:
             with self._lock:
                 due, wait = self._due(time.monotonic())
                 if not due:
-                    self._wake.wait(wait)
-                    continue
-            for pair, freed in due:
-                self._send(pair, freed)
+                    woken = self._wake.wait(wait if wait is not None else _IDLE_S)
+                    if woken or wait is not None:
+                        continue
+            if due:
+                for pair, freed in due:
+                    self._send(pair, freed)
+                continue
+            # Idle: the channels this thread keeps would hold their sockets
+            # open, to agents that may die meanwhile, until frees come again.
+            _channel.close_cached()
+            with self._lock:
+                while not any(p.freed for p in self._pairs.values()):
+                    self._wake.wait()
 
     def _send(self, pair: _Pair, freed: list[str]) -> None:
         """To the producer's agent; queued again if it did not take them."""
         try:
             address = pair.agent_address()
             if address is not None:
-                header = {"op": _wire.LEASES_FREED, "key": pair.key, "ids": freed}
-                answer = _channel.request(address, header, _ANSWER_S)
+                header = {"op": _wire.LEASES_FREED, "key": pair.key, "ids": freed, "reply": True}
+                with _channel.channel(address) as ch:
+                    ch.producer_alive = pair.alive  # checked while it waits
+                    ch.send(header)
+                    answer, _ = ch.recv_reply(time.monotonic() + _ANSWER_S, address)
                 if answer.get("ok"):
                     pair.failing_since = None
                     return
                 why = str(answer.get("error", "refused"))
             else:
                 why = "the producer has not run the call that opens the pair"
-        except (ProducerLostError, ray.exceptions.RayError):
+        except ProducerLostError:
+            if pair.agent is not None:
+                _channel.forget(pair.agent)
             return  # the producer is gone, and its objects with it
+        except ray.exceptions.RayError:
+            return  # the opening failed: the producer died before it ran
         except Exception as exc:  # no answer in time, a broken connection
             why = f"{type(exc).__name__}: {exc}"
         now = time.monotonic()
