@@ -175,3 +175,23 @@ def test_a_method_waiting_for_a_free_is_not_blocked_by_it(pair):
     waiting = p.wait_freed.remote("waited", 30)
     del ref
     assert ray.get(waiting) == "freed"
+
+
+@ray.remote
+class AsyncCaller:
+    async def make(self, producer, n: int) -> None:
+        self.refs = [producer.value.remote(i) for i in range(n)]
+
+    async def drop(self) -> None:
+        self.refs = []
+
+
+def test_an_async_actors_calls_are_freed_when_it_drops_them(ray_session):
+    p, caller = Producer.remote(), AsyncCaller.remote()
+    ray.get(caller.make.remote(p, 3))
+    wait_for(lambda: ray.get(p.held.remote()) == 3, what="three objects made")
+    assert ray.get(p.claimed.remote()) == 3
+    ray.get(caller.drop.remote())
+    wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed once the async caller dropped them")
+    ray.kill(p)
+    ray.kill(caller)

@@ -261,8 +261,13 @@ class CallerLeases:
 
     def _start_flusher(self) -> None:
         if self._flusher is None or not self._flusher.is_alive():
+            # Off any event loop: its ray.get of the opening (ready by then) is
+            # no blocking get inside an async actor, whatever Ray would log.
+            _ray.quiet_off_loop_get_warning()
             self._flusher = threading.Thread(
-                target=self._flush_idle, name="raydirect-lease-frees", daemon=True
+                target=self._flush_idle,
+                name=f"{_ray.OFF_LOOP_THREAD_PREFIX}-lease-frees",
+                daemon=True,
             )
             self._flusher.start()
 
