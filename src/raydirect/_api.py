@@ -109,6 +109,12 @@ def method(
             "lose refs nested in yielded objects (ray-project/ray#58080). Return a list of "
             "values instead (with @ray.method(num_returns=k), each its own object)"
         )
+    return _wrapped(fn, transport, lifetime)
+
+
+def _wrapped(fn: Any, transport: str, lifetime: Lifetime | None) -> Any:
+    """The method Ray sees: ``fn``'s return exported, with ``fn``'s signature and
+    Ray options, the caller's lease taken from the hidden keywords."""
     wrapper: Any
     if inspect.iscoroutinefunction(fn):
 
