@@ -422,3 +422,37 @@ def test_lease_and_plan_targets_are_judged_as_printed():
     assert "| worker 0's plan time / 1 s, at most 1x | 256 ranks -> 128 workers | 0.03x |" in text
     assert f"| {SPREAD}, at most 1.1x | 256 ranks -> 128 workers | 1.01x | - | yes |" in text
     assert "69,975 tensors, 1.026T parameters" in text
+
+
+TWO_NODES_ON_ONE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import ray
+from rdbench import cross_node
+cross_node.link_bytes = lambda: 0  # no harness to ask
+cross_node.RDT_ENV = dict(cross_node.ENV)  # one node: no rdveth to name
+nodes = {"nodeA": 1, "nodeB": 1, "nodeC": 1}
+ray.init(num_cpus=4, resources=nodes, include_dashboard=False, logging_level="error")
+print(json.dumps(cross_node.two_nodes([1 << 20], 1)))
+"""
+
+
+def test_cross_node_driver_runs_workload_15_on_one_node():
+    """Workload 15's driver, every row, on one embedded node that carries the
+    nodes' resources (the network aside, what runs in the head's namespace):
+    each row one cold and one timed transfer, checked; the producer serving
+    three rows waits for no ref the driver still holds."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_NODES_ON_ONE, str(BENCHMARKS)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(result["rows"]) == 7
+    for row in result["rows"]:
+        assert "error" not in row and row["cold_s"] and len(row["times_s"]) == 1, row
+    assert result["received"] == {"tcp": 6, "gloo": 2}

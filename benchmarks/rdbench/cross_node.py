@@ -177,6 +177,9 @@ def rounds(systems: list[System], nbytes: int, repeats: int, seed: int) -> list[
                 ]
                 ray.get(calls, timeout=TIMEOUT_S)
                 seconds, sent = time.perf_counter() - start, link_bytes() - before
+                # The refs held here would keep the producer's next prepare waiting
+                # for its tensor's free (rd.wait_tensor_freed) until it timed out.
+                del refs, calls
             except Exception as exc:
                 result["error"] = f"{type(exc).__name__}: {str(exc)[:500]}"
                 continue
