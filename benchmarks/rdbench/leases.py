@@ -140,10 +140,11 @@ def _pids(producer: Any, consumer: Any) -> list[int]:
     session's raylet and GCS (the node's own, not any other Ray on the machine)."""
     actors = ray.get([producer.pid.remote(), consumer.pid.remote()], timeout=SETUP_TIMEOUT_S)
     node = ray_worker._global_node
+    running: dict[str, list[Any]] = node.all_processes if node is not None else {}
     daemons = [
         info.process.pid
         for kind in (ray_constants.PROCESS_TYPE_RAYLET, ray_constants.PROCESS_TYPE_GCS_SERVER)
-        for info in (node.all_processes.get(kind, []) if node is not None else [])
+        for info in running.get(kind, [])
     ]
     return [os.getpid(), *actors, *daemons]
 
@@ -162,7 +163,7 @@ def lease_targets(rows: Sequence[Row]) -> str:
     """Issue 41's latency targets over the bare calls as this run measured them,
     and each row's CPU per transfer beside the bare calls' (the CPU target: the
     default lifetime's at most half of what a ``ray.put`` lease cost, 4 ms)."""
-    median = {r.system: r.median() for r in rows if r.median() is not None}
+    median: dict[str, float] = {r.system: m for r in rows if (m := r.median()) is not None}
     bare = median.get(BARE)
     lines = [
         TargetLine(f"{system} / the two calls", bound, True, format_size(NBYTES),

@@ -201,8 +201,10 @@ def timeline(ctx: Context) -> list[Row]:
     cfg = ctx.config
     if not cfg.wants(GROUP_RAYDIRECT):
         return []
-    points = [(f"{format_size(n)}, one tensor", {"x": (n // ELEMENT_BYTES,)}, True)
-              for n in cfg.timeline_sizes]  # fmt: skip
+    points: list[tuple[str, Layout, bool]] = [
+        (f"{format_size(n)}, one tensor", {"x": (n // ELEMENT_BYTES,)}, True)
+        for n in cfg.timeline_sizes
+    ]
     for tensors in cfg.timeline_tensors:
         param = f"{tensors} tensor{'s' * (tensors > 1)}, {STEP}"
         points.append((param, layout_of(tensors, cfg.state_bytes), False))
