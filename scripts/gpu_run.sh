@@ -2,7 +2,8 @@
 # Runs the GPU tests and the GPU benchmark on a CUDA machine with no internet, from
 # a folder of wheels made by scripts/gpu_wheels.sh on a connected machine (docs/gpu.md):
 #
-#   scripts/gpu_run.sh WHEELS_DIR [BENCHMARK OPTIONS...]     (or: ./dev gpu WHEELS_DIR ...)
+#   scripts/gpu_run.sh WHEELS_DIR [--slow] [BENCHMARK OPTIONS...]  (or: ./dev gpu WHEELS_DIR ...)
+#   scripts/gpu_run.sh NIXL_WHEELS_DIR --nixl     (after the first, on the same machine)
 #
 # It keeps the machine's CUDA torch: a venv made with --system-site-packages from
 # $PYTHON (the interpreter that has torch; when that is a venv itself, its
@@ -19,17 +20,38 @@
 # set, else bench-results/gpu-<date>-<time>/. Exit status: the tests', else the
 # benchmark's.
 #
+# Time: the whole run fits RAYDIRECT_GPU_BUDGET_S (default 230 s: one device call
+# of the workplace's GPU machine, whose 15 minutes include its start and the
+# transfers). The tests get what is left minus BENCH_RESERVE_S (70 s) and stop
+# (SIGINT: pytest still writes its summary and pytest.xml) when it runs out; the
+# benchmark gets the rest and rewrites bench.md and bench.json after every block.
+# Every file is written as the run goes, so a run cut short keeps what it did.
+# Without options the benchmark is the quick one (1MiB,64MiB,1GiB, 3 repeats, 3
+# sync steps) and slow tests skip; --slow runs those tests (RAYDIRECT_GPU_SLOW=1)
+# and the benchmark's defaults, with no budget. --nixl: install WHEELS_DIR/*.whl
+# (NIXL, carried in a call of its own) into the venv the first call made, then the
+# NIXL tests and the benchmark's NIXL rows.
+#
 # Environment: PYTHON (default python3), RAYDIRECT_GPU_VENV (default
-# ~/.cache/raydirect/gpu-venv-py<major.minor>), OUT.
+# ~/.cache/raydirect/gpu-venv-py<major.minor>), OUT, RAYDIRECT_GPU_BUDGET_S.
 set -euo pipefail
+started=$SECONDS
 here=$(cd "$(dirname "$0")/.." && pwd)
 if [ $# -lt 1 ] || [ ! -d "$1" ]; then
-  echo "usage: scripts/gpu_run.sh WHEELS_DIR [BENCHMARK OPTIONS...]" >&2
+  echo "usage: scripts/gpu_run.sh WHEELS_DIR [--slow | --nixl] [BENCHMARK OPTIONS...]" >&2
   echo "  WHEELS_DIR: the folder scripts/gpu_wheels.sh made (docs/gpu.md)" >&2
   exit 2
 fi
 wheels=$(cd "$1" && pwd)
 shift
+mode=quick
+case "${1:-}" in --slow | --nixl) mode=${1#--}; shift ;; esac
+budget=${RAYDIRECT_GPU_BUDGET_S:-230}
+[ "$mode" = slow ] && budget=100000
+left() { echo $((budget - (SECONDS - started))); }
+if [ "$mode" = nixl ]; then
+  exec bash "$here/scripts/gpu_nixl.sh" "$wheels" "$budget" "$@"
+fi
 if ! ls "$wheels"/ray-*.whl "$wheels"/raydirect-*.whl > /dev/null 2>&1; then
   echo "gpu_run: $wheels has no ray-*.whl or raydirect-*.whl: make it with scripts/gpu_wheels.sh" >&2
   exit 2
@@ -158,17 +180,28 @@ EOF
   nvidia-smi 2> /dev/null || echo "nvidia-smi: not available"
 } 2>&1 | tee "$results/environment.txt"
 
+bench_args=("$@")
+if [ "$mode" = quick ] && [ ${#bench_args[@]} = 0 ]; then
+  bench_args=(--sizes 1MiB,64MiB,1GiB --repeats 3 --sync-steps 3 --no-nixl)
+fi
+[ "$mode" = slow ] && export RAYDIRECT_GPU_SLOW=1
 set +e
-"$vpy" -m pytest tests/gpu tests/test_cuda.py -v -p no:cacheprovider \
-  --junitxml="$results/pytest.xml" 2>&1 | tee "$results/pytest.txt"
+tests_s=$(($(left) - ${BENCH_RESERVE_S:-70}))
+echo "gpu_run: tests, at most ${tests_s}s ($(left)s of the budget left)"
+timeout -s INT -k 15 "$tests_s" "$vpy" -m pytest tests/gpu tests/test_cuda.py -v \
+  -p no:cacheprovider --timeout 90 --junitxml="$results/pytest.xml" 2>&1 | tee "$results/pytest.txt"
 tests_rc=${PIPESTATUS[0]}
-"$vpy" benchmarks/gpu.py --skip-if-no-gpu --json "$results/bench.json" "$@" \
-  2> >(tee "$results/bench.log" >&2) | tee "$results/bench.md"
+bench_s=$(($(left) - 5))
+echo "gpu_run: benchmark ${bench_args[*]}, at most ${bench_s}s"
+timeout -s INT -k 15 "$bench_s" "$vpy" benchmarks/gpu.py --skip-if-no-gpu \
+  --json "$results/bench.json" --md "$results/bench.md" "${bench_args[@]}" \
+  2>&1 | tee "$results/bench.log"
 bench_rc=${PIPESTATUS[0]}
 set -e
 
 echo
-echo "gpu_run: tests exit $tests_rc, benchmark exit $bench_rc; results in $results"
+echo "gpu_run: tests exit $tests_rc, benchmark exit $bench_rc (124: cut at the budget);" \
+  "$((SECONDS - started))s in all; results in $results"
 if [ "$tests_rc" -ne 0 ]; then
   exit "$tests_rc"
 fi

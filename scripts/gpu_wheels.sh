@@ -13,8 +13,13 @@
 #   NIXL_CUDA       12 or 13: the CUDA major of the GPU machine's torch (default 12)
 #   SET=device      only what the workplace's GPU machine lacks (docs/gpu.md, "On the
 #                   workplace's GPU machine"): ray repacked, pyzmq, jsonschema and its
-#                   three dependencies, raydirect; everything --no-deps. 47 MiB, under
-#                   the 64 MiB one device call carries; NIXL (56 MiB) goes in a second call
+#                   three dependencies, cryptography with cffi and pycparser, raydirect;
+#                   everything --no-deps. About 50 MiB, under the 64 MiB one device call
+#                   carries; NIXL (56 MiB) goes in a second call. Checked against the
+#                   machine's package list (scripts/gpu_wheels_check.py, which fails
+#                   naming what is missing)
+#   CHECK_ONLY=1    download nothing: only check that SET's list covers what the GPU run
+#                   imports beyond the machine's packages (SET=device; runs here, offline)
 #   PYTHON          the interpreter that runs pip here (default python3)
 #
 # What goes in OUT_DIR: ray (the version pyproject.toml pins, repacked without its
@@ -28,10 +33,28 @@
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
 out=${1:-$here/dist/gpu-wheels}
+# What the workplace's GPU machine lacks (scripts/gpu_machine_packages.txt is what it
+# has): Ray itself, pyzmq, Ray's jsonschema and its three, and cryptography (the stream
+# port's TLS, imported by raydirect._frames) with cffi and pycparser under it.
+device_set=(pyzmq jsonschema jsonschema-specifications referencing rpds-py cryptography cffi
+  pycparser)
 pyver=${PYTHON_VERSION:-3.12}
 platforms=${PLATFORMS:-manylinux2014_x86_64 manylinux_2_17_x86_64 manylinux_2_27_x86_64 manylinux_2_28_x86_64}
 python=${PYTHON:-python3}
 abi="cp${pyver/./}"
+machine_list="$here/scripts/gpu_machine_packages.txt"
+check() {  # check ARGS...: the wheels (--wheels DIR) or a list (--carried ...) cover the run
+  "$python" "$here/scripts/gpu_wheels_check.py" --machine "$machine_list" \
+    --python-version "$pyver" "$@"
+}
+if [ "${CHECK_ONLY:-0}" = 1 ]; then
+  if [ "${SET:-full}" != device ]; then
+    echo "gpu_wheels: CHECK_ONLY checks the SET=device list; the full set carries every dependency" >&2
+    exit 2
+  fi
+  check --carried ray "${device_set[@]}"
+  exit
+fi
 
 # The dependency specs, as pyproject.toml writes them (e.g. "ray[default]>=2.60,<2.61").
 spec() { sed -n "s/.*\"\\($1[^\"]*\\)\".*/\\1/p" "$here/pyproject.toml" | head -n 1; }
@@ -62,9 +85,12 @@ download() {  # download DEST PIP_ARGS...: binary wheels for the GPU machine's P
 
 if [ "${SET:-full}" = device ]; then
   # The GPU machine has Ray's other dependencies, numpy and pytest (its KINDS.md list).
-  echo "gpu_wheels: ${ray_spec%%\[*}, $zmq_spec and jsonschema for Python $pyver, no dependencies"
-  download "$out" --no-deps "ray${ray_spec#ray\[default\]}" "$zmq_spec" jsonschema \
-    jsonschema-specifications referencing rpds-py
+  echo "gpu_wheels: ${ray_spec%%\[*} and ${device_set[*]} for Python $pyver, no dependencies"
+  pinned=("ray${ray_spec#ray\[default\]}" "$zmq_spec" "$(spec 'cryptography')")
+  for name in "${device_set[@]}"; do  # pyproject.toml's specs for those it names
+    case "$name" in pyzmq | cryptography) ;; *) pinned+=("$name") ;; esac
+  done
+  download "$out" --no-deps "${pinned[@]}"
 else
   echo "gpu_wheels: $ray_spec, $zmq_spec and their dependencies for Python $pyver ($platforms)"
   download "$out" "$ray_spec" "$zmq_spec" numpy "pytest>=8" "pytest-timeout>=2.3"
@@ -100,15 +126,20 @@ echo "gpu_wheels: raydirect from $here"
 "$python" -m pip wheel --quiet --no-deps --wheel-dir "$out" "$here"
 
 if [ "${NIXL:-1}" != 0 ]; then
-  alias_pkg=nixl  # the small package Ray's RDT imports
-  [ "${SET:-full}" = device ] && alias_pkg=  # one device call's 64 MiB holds nixl-cu1x alone
-  echo "gpu_wheels: NIXL ($nixl_spec${alias_pkg:+, $alias_pkg}) into $out/nixl"
+  # The `nixl` alias Ray's RDT imports (12 KiB, pure Python: it imports the nixl_cuXX
+  # that matches torch's CUDA), pinned to nixl-cuXX's version, for NIXL_CUDA=12 and 13.
+  alias_pkg="nixl==$(sed -n 's/.*>=\([0-9.]*\).*/\1/p' <<< "$nixl_spec")"
+  echo "gpu_wheels: NIXL ($nixl_spec, $alias_pkg) into $out/nixl"
   mkdir -p "$out/nixl"
   # --no-deps: nixl-cu1x needs only torch and numpy; the `nixl` alias would pull
-  # another CUDA variant as well.
-  if ! download "$out/nixl" --no-deps "$nixl_spec" $alias_pkg; then
+  # both CUDA variants as well.
+  if ! download "$out/nixl" --no-deps "$nixl_spec" "$alias_pkg"; then
     echo "gpu_wheels: warning: no NIXL wheels for Python $pyver; the NIXL tests and rows will skip" >&2
   fi
+fi
+
+if [ "${SET:-full}" = device ]; then
+  check --wheels "$out"  # fails naming what the GPU machine would lack
 fi
 
 {

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import ray
 import torch
+from ray import cloudpickle
 
 import raydirect as rd
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU; this machine has none"
 )
+
+# Workers cannot import the tests directory (on the H200: "No module named
+# 'test_cuda'"): ship this module's functions by value, as tests/gpu does.
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def _put_cuda(_self, transport: str) -> list:

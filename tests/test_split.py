@@ -86,6 +86,19 @@ def test_views_made_in_bulk_rebuild_every_tensor():
     assert mismatch(got, originals) is None
 
 
+def test_zero_element_tensors_land_on_the_arenas_device():
+    """A zero-element tensor has no bytes in the arena but must still arrive on its
+    device (on a GPU: ``torch.empty(0, 5, device="cuda")`` once arrived on the CPU).
+    The meta device stands in for CUDA here: no memory, same device logic."""
+    metas = TensorMetas.of(
+        [TensorMeta((4, 2), "float32", 32, "cuda"), TensorMeta((0, 5), "float32", 0, "cuda")]
+    )
+    arena = torch.empty(64, dtype=torch.uint8, device="meta")
+    got = tensors_from_arena(arena, metas, [0, 64])
+    assert [t.device.type for t in got] == ["meta", "meta"]
+    assert [tuple(t.shape) for t in got] == [(4, 2), (0, 5)]
+
+
 def test_byte_views_give_addresses_without_making_views():
     made = []
     data = torch.arange(10, dtype=torch.uint8)

@@ -17,6 +17,7 @@ import ray
 import torch
 
 from raydirect import _ray
+from raydirect._caller_leases import FREED_KW, TOKEN_KW, decorate, ledger
 from raydirect._collector import collector_paused
 from raydirect._consumer import fetch_value, run_all
 from raydirect._into import (
@@ -44,7 +45,9 @@ _async_executor: ThreadPoolExecutor | None = None
 _pools_lock = threading.Lock()
 
 
-def _export_returns(wrapper: Any, value: Any, transport: str, lifetime: Lifetime | None) -> Any:
+def _export_returns(
+    wrapper: Any, value: Any, transport: str, lifetime: Lifetime | None, token: Any
+) -> Any:
     # Read at call time: @ray.method(num_returns=k) may be stacked above us.
     num_returns = _ray.declared_num_returns(wrapper)
     if isinstance(num_returns, int) and num_returns > 1:
@@ -54,7 +57,8 @@ def _export_returns(wrapper: Any, value: Any, transport: str, lifetime: Lifetime
                 f"{type(value).__name__}; return a tuple of {num_returns} values"
             )
         return tuple(export(v, transport, lifetime=lifetime) for v in value)
-    return export(value, transport, lifetime=lifetime)
+    claim = None if token is None else functools.partial(ledger.claim, token)
+    return export(value, transport, lifetime=lifetime, caller_lease=claim)
 
 
 @overload
@@ -109,19 +113,44 @@ def method(
     if inspect.iscoroutinefunction(fn):
 
         async def wrapper(self, *args, **kwargs):
-            return _export_returns(wrapper, await fn(self, *args, **kwargs), transport, lifetime)
+            token = _take_hidden(kwargs)
+            value = await fn(self, *args, **kwargs)
+            return _export_returns(wrapper, value, transport, lifetime, token)
     else:
 
         def wrapper(self, *args, **kwargs):
-            return _export_returns(wrapper, fn(self, *args, **kwargs), transport, lifetime)
+            token = _take_hidden(kwargs)
+            return _export_returns(wrapper, fn(self, *args, **kwargs), transport, lifetime, token)
 
     functools.update_wrapper(wrapper, fn)
     # Ray reads a method's options after inspect.unwrap: without __wrapped__ it
-    # sees this wrapper, whose signature and @ray.method attributes match fn's.
+    # sees this wrapper, whose signature and @ray.method attributes match fn's
+    # (plus the hidden keywords, which Ray checks each call against).
     del wrapper.__wrapped__
-    wrapper.__signature__ = inspect.signature(fn)
+    wrapper.__signature__ = _with_hidden(inspect.signature(fn))
     wrapper.__raydirect_transport__ = transport
+    if lifetime is None:  # reads=/ttl= objects take no lease at all
+        _ray.set_invocation_decorator(wrapper, decorate)
     return wrapper
+
+
+def _take_hidden(kwargs: dict[str, Any]) -> Any:
+    """Pop what the caller's invocation decorator added: frees to make now, and
+    the caller's lease for this call's object (``_caller_leases``)."""
+    freed = kwargs.pop(FREED_KW, None)
+    if freed is not None:
+        ledger.release(freed)
+    return kwargs.pop(TOKEN_KW, None)
+
+
+def _with_hidden(sig: inspect.Signature) -> inspect.Signature:
+    params = list(sig.parameters.values())
+    at = next((i for i, p in enumerate(params) if p.kind is p.VAR_KEYWORD), len(params))
+    hidden = [
+        inspect.Parameter(k, inspect.Parameter.KEYWORD_ONLY, default=None)
+        for k in (TOKEN_KW, FREED_KW)
+    ]
+    return sig.replace(parameters=params[:at] + hidden + params[at:])
 
 
 def _lifetime_of(reads: Any, ttl: Any, transport: Any) -> Lifetime | None:

@@ -1,4 +1,8 @@
-"""Leases: tiny Ray objects whose lifetime is a direct object's lifetime.
+"""Leases the producer owns: tiny Ray objects whose lifetime is a direct object's.
+
+A method called through an actor handle leases on its caller's token instead
+(``_caller_leases``); these stand in where there is none, and are the watches
+that tell a producer its callers died.
 
 The producer owns each lease and nests it in the Payload. Ray's reference
 counting (local refs, borrowers, nested refs, pending tasks) then keeps the

@@ -195,15 +195,21 @@ def export(
     inline: bool = True,
     leased: bool = True,
     lifetime: Lifetime | None = None,
+    caller_lease: Callable[[bytes], ray.ObjectRef | None] | None = None,
 ) -> Any:
     """Keep ``value``'s tensors in this process and return the Payload standing
     for it; a value without tensors is returned unchanged, a small one under
     ``auto`` travels inline (unless ``inline`` is False). ``leased``: the Payload
     carries a lease (``put`` binds the lifetime to its own ref instead).
-    ``lifetime``: no lease; freed by its reads or clock (``_lifetime``)."""
+    ``lifetime``: no lease; freed by its reads or clock (``_lifetime``).
+    ``caller_lease(obj_id)``: the lease the caller passed (``_caller_leases``),
+    now standing for ``obj_id``; None where there is none, or it is void here:
+    this process's own lease then."""
     check_usable_here()
     with collector_paused():  # thousands of tensors described: no collection midway
-        return _export(value, transport, label, inline, leased and lifetime is None, lifetime)
+        return _export(
+            value, transport, label, inline, leased and lifetime is None, lifetime, caller_lease
+        )
 
 
 def put(value: Any, transport: str, label: str, inline: bool = True) -> ray.ObjectRef:
@@ -232,6 +238,7 @@ def _export(
     inline: bool,
     leased: bool,
     lifetime: Lifetime | None,
+    caller_lease: Callable[[bytes], ray.ObjectRef | None] | None,
 ) -> Any:
     plugin = _plugin(transport)
     label = label or _ray.current_task_label()
@@ -251,7 +258,7 @@ def _export(
             transport_meta = _extract_all(obj, transport, parts, plugin)
         else:
             transport_meta = _guarded(obj, lifetime)
-        lease = leases.take(lambda: store.free_later(obj.obj_id)) if leased else None
+        lease = _lease_for(obj.obj_id, caller_lease) if leased else None
     except BaseException:
         store.free(obj.obj_id)
         raise
@@ -276,6 +283,14 @@ def _export(
         lease=lease,
         actor=None if plugin is None or plugin.cls.is_one_sided() else _ray.current_actor_handle(),
     )
+
+
+def _lease_for(
+    obj_id: bytes, caller_lease: Callable[[bytes], ray.ObjectRef | None] | None
+) -> ray.ObjectRef:
+    """The caller's lease where there is one, else a lease of this process's own."""
+    lease = None if caller_lease is None else caller_lease(obj_id)
+    return lease if lease is not None else leases.take(lambda: store.free_later(obj_id))
 
 
 def _check_host_only(metas: Any, label: str) -> None:

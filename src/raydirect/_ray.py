@@ -231,6 +231,40 @@ def mint_own_refs(handle: ray.actor.ActorHandle, n: int) -> list[ray.ObjectRef]:
     return list(refs)
 
 
+def mint_refs_on(
+    handle: ray.actor.ActorHandle, fn: Callable[..., list[Any]], *args: Any, n: int
+) -> list[ray.ObjectRef]:
+    """``n`` refs owned by this process, the returns of ``fn(actor_instance, *args)``
+    run as one task of ``handle``'s actor; not waited for (a pending ref nests in
+    an argument or a value as well as a ready one). Raises what ``.remote()``
+    raises (a ``max_pending_calls`` limit reached)."""
+    refs: list[ray.ObjectRef] = handle.__ray_call__.options(num_returns=n).remote(fn, *args)
+    return list(refs)
+
+
+def set_invocation_decorator(
+    method: Any, decorator: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> None:
+    """Have Ray wrap each call of ``method`` made through an actor handle, in the
+    calling process (whichever: a handle passed by pickling too), as
+    ``decorator(invocation)(args, kwargs)``; ``invocation`` submits the call.
+    Ray's private hook, read from the method when its class is made remote
+    (tests/test_caller_leases.py fails if an upgrade drops it)."""
+    method.__ray_invocation_decorator__ = decorator
+
+
+def actor_of_invocation(invocation: Callable[..., Any]) -> ray.actor.ActorHandle | None:
+    """The actor a call handed to an invocation decorator goes to: Ray 2.60's
+    ``invocation`` closes over its ``ActorMethod`` as ``self``. None where that
+    changed (the caller then passes no lease of its own)."""
+    try:
+        cell = invocation.__closure__[invocation.__code__.co_freevars.index("self")]  # type: ignore[index]
+        actor = cell.cell_contents._actor
+    except (AttributeError, IndexError, ValueError, TypeError):
+        return None
+    return actor if isinstance(actor, ray.actor.ActorHandle) else None
+
+
 def declared_num_returns(method: Any) -> Any:
     """What ``@ray.method(num_returns=...)`` declared on ``method`` (1 if nothing);
     Ray stores it as a private attribute, read at call time."""

@@ -390,8 +390,8 @@ def tensors_from_arena(arena: torch.Tensor, metas: TensorMetas, offsets: list[in
     for shape, dtype, nbytes, off in zip(
         metas.shapes, metas.dtypes, metas.nbytes, offsets, strict=True
     ):
-        if nbytes == 0:
-            out.append(torch.empty(shape, dtype=torch_dtype(dtype)))
+        if nbytes == 0:  # no bytes in the arena, but on its device like the others
+            out.append(torch.empty(shape, dtype=torch_dtype(dtype), device=arena.device))
             continue
         view = typed.get(dtype)
         if view is None:  # slots are 64-byte aligned, so every offset is a whole element

@@ -44,6 +44,7 @@ GROUP_LEAVE = "group_leave"  # _group_api: destroy the group in this member
 REGION_NOTICE = "region_notice"  # _regions: a reader's notice to a region's owner
 REGION_EXTRACT = "region_extract"  # _regions: a plug-in's metadata for one read of a region
 REGION_RELEASE = "region_release"  # _regions: that read ended (and was it open throughout?)
+LEASES_FREED = "leases_freed"  # _caller_leases: a caller's tokens went out of scope
 
 # Fire-and-forget: a reply would sit unread in the sender's cached channel and
 # be taken as the answer to its next request.

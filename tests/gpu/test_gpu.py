@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch
 from ray import cloudpickle
 
 import raydirect as rd
+from raydirect._producer import inline_limit
 from raydirect.testing import mismatch
 from raydirect.transports import nixl as nixl_transport
 
@@ -38,6 +40,12 @@ MiB = 1 << 20
 GiB = 1 << 30
 GPU_SHARE = 0.25  # four actors at most on the one GPU at a time
 TIMEOUT = 120.0  # one read or call; a hang fails the test instead of the run
+# Cases that take tens of seconds run only with RAYDIRECT_GPU_SLOW=1 (`./dev gpu --slow`):
+# one device call of the workplace's GPU machine must fit tests, benchmark and install.
+slow = pytest.mark.skipif(
+    os.environ.get("RAYDIRECT_GPU_SLOW") != "1",
+    reason="slow: set RAYDIRECT_GPU_SLOW=1 (./dev gpu WHEELS_DIR --slow) to run it",
+)
 DTYPES = (
     torch.float16,
     torch.bfloat16,
@@ -214,6 +222,10 @@ class Peer:
     def sized(self, nbytes: int) -> torch.Tensor:
         return torch.full((nbytes,), 3, dtype=torch.uint8, device="cuda")  # not kept here
 
+    @rd.method(tensor_transport="nixl")
+    def sized_nixl(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), 3, dtype=torch.uint8, device="cuda")
+
     @rd.method
     def arange(self, numel: int) -> torch.Tensor:
         return torch.arange(numel, dtype=torch.int32, device="cuda")
@@ -296,6 +308,15 @@ class Peer:
         except Exception as exc:
             return _error(exc) + (" [RaydirectError]" if isinstance(exc, rd.RaydirectError) else "")
         return "ok"
+
+    def timed_read(self, refs: list) -> float:
+        """Seconds for one ``rd.get`` of ``refs[0]``, checked after the timing."""
+        start = time.perf_counter()
+        got = rd.get(refs[0], timeout=TIMEOUT)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        assert bool((got == 3).all())
+        return seconds
 
     def read_all_sevens(self, refs: list) -> bool:
         got = rd.get(refs[0], timeout=TIMEOUT)
@@ -427,13 +448,30 @@ def test_nccl_between_two_gpus(ray_session):
 # ---------------------------------------------------------------- cuda_ipc and auto
 
 
+def _alive(*actors: Any) -> bool:
+    try:
+        return ray.get([a.sees_gpu.remote() for a in actors], timeout=30) == [True] * len(actors)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+
+
 @pytest.fixture(scope="module")
-def gpu_pair(ray_session):
-    """A producer and a reader on the one GPU, shared by the module's tests."""
-    p, r = Peer.remote(), Peer.remote()
-    assert ray.get([p.sees_gpu.remote(), r.sees_gpu.remote()]) == [True, True]
-    yield p, r
-    _kill(p, r)
+def _module_pair(ray_session):
+    pair: list[Any] = []
+    yield pair
+    _kill(*pair)
+
+
+@pytest.fixture
+def gpu_pair(_module_pair):
+    """A producer and a reader on the one GPU, shared by the module's tests; made
+    again when a test left either dead (one crashed reader must not fail the rest)."""
+    if not _module_pair or not _alive(*_module_pair):
+        _kill(*_module_pair)
+        _module_pair[:] = [Peer.remote(), Peer.remote()]
+        assert _alive(*_module_pair), "the pair does not see the GPU"
+    p, r = _module_pair
+    return p, r
 
 
 @pytest.mark.parametrize("transport", ["cuda_ipc", "auto"])
@@ -500,14 +538,27 @@ def test_device_cpu_receives_a_cuda_producers_tensors_into_host_memory(gpu_pair,
     assert result == {"problem": None}, result
 
 
+def _cpu_bytes(case: str) -> int:
+    """The bytes ``case``'s CPU tensors send: each distinct tensor's elements."""
+    tensors = {id(t): t for t in tensors_of(make_value(case, "cpu"))}.values()
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 @pytest.mark.parametrize("case", ["dtypes", "views"])
 def test_device_cuda_receives_a_cpu_producers_tensors_onto_the_gpu(gpu_pair, case):
+    """Over a CPU transport, then one copy onto the GPU; or, for a value under the
+    inline limit (``auto``'s 64 KiB: ``views``, ~10 KB), with Ray's reply itself:
+    no read to count (the H200 run expected one for ``views`` and saw none)."""
+    inline = _cpu_bytes(case) <= inline_limit()
     p, r = gpu_pair
     [ref] = ray.get(p.put.remote(case, "auto", "cpu"))
     result = ray.get(r.read.remote(case, [ref], "cuda", device="cuda:0"), timeout=TIMEOUT)
     assert result["problem"] is None, result
-    assert sum(result["received"].values()) == 1, result
-    assert set(result["received"]) <= {"cma", "shm"}, result  # a CPU path, then one copy
+    if inline:
+        assert result["received"] == {}, result
+    else:
+        assert sum(result["received"].values()) == 1, result
+        assert set(result["received"]) <= {"cma", "shm"}, result  # a CPU path, then one copy
     [ref] = ray.get(p.put.remote(case, "auto", "cpu"))
     result = ray.get(r.read_with_target.remote(case, [ref], "cuda", device="cuda:0"))
     assert result == {"problem": None}, result
@@ -570,14 +621,32 @@ def test_in_place_write_warns_and_wait_tensor_freed_waits(gpu_pair):
     assert ray.get(p.wait_freed.remote("mut", 30)) == "freed"
 
 
-def _store_empty(p: Any) -> bool:
-    return ray.get(p.stats.remote()).num_objects == 0
+@pytest.fixture
+def own_pair(ray_session):
+    """A producer and a reader of the test's own, so that no earlier test's object
+    moves the baseline. On the H200 the two memory tests below, on the module's pair
+    right after a test failed, waited out 60 s for the producer's store to empty:
+    refs of the failed test stayed alive in the driver (pytest keeps the last
+    failure's traceback, frames and locals, in sys.last_traceback; the exception's
+    frames form a cycle that only a full collection frees)."""
+    p, r = Peer.remote(), Peer.remote()
+    assert _alive(p, r)
+    yield p, r
+    _kill(p, r)
 
 
-def test_cuda_memory_returns_to_its_baseline_in_both_processes(gpu_pair):
+def _driver_refs_released() -> None:
+    """Drop what the driver may still hold of earlier tests' refs (above)."""
+    sys.last_type = sys.last_value = sys.last_traceback = None
+    if hasattr(sys, "last_exc"):
+        sys.last_exc = None
+    gc.collect()
+
+
+def test_cuda_memory_returns_to_its_baseline_in_both_processes(own_pair):
     """A CUDA object read three times frees its memory in both processes."""
-    p, r = gpu_pair
-    wait_for(lambda: _store_empty(p), timeout=60, what="the producer's store empty")
+    p, r = own_pair
+    _driver_refs_released()
     base_p, base_r = ray.get([p.memory.remote(), r.memory.remote()])
     size = 256 * MiB
     ref = p.sized.remote(size)
@@ -589,6 +658,7 @@ def test_cuda_memory_returns_to_its_baseline_in_both_processes(gpu_pair):
         assert measured["after"] <= base_r, (base_r, measured)
     assert ray.get(p.memory.remote()) >= base_p + size  # the producer holds it for the ref
     del ref
+    gc.collect()
     wait_for(
         lambda: ray.get(p.memory.remote()) <= base_p,
         timeout=60,
@@ -596,14 +666,15 @@ def test_cuda_memory_returns_to_its_baseline_in_both_processes(gpu_pair):
     )
 
 
-def test_cuda_memory_of_an_object_nobody_read_is_released(gpu_pair):
-    p, _ = gpu_pair
-    wait_for(lambda: _store_empty(p), timeout=60, what="the producer's store empty")
+def test_cuda_memory_of_an_object_nobody_read_is_released(own_pair):
+    p, _ = own_pair
+    _driver_refs_released()
     base = ray.get(p.memory.remote())
     ref = p.sized.remote(256 * MiB)
     ray.wait([ref])
     assert ray.get(p.memory.remote()) >= base + 256 * MiB
     del ref
+    gc.collect()
     wait_for(
         lambda: ray.get(p.memory.remote()) <= base,
         timeout=60,
@@ -616,7 +687,8 @@ def _failed(reader: Any) -> dict | None:
     return state if state["error"] else None
 
 
-def test_a_producer_killed_during_2_gib_reads_gives_a_clear_error(gpu_pair):
+@slow
+def test_a_producer_killed_during_2_gib_reads_gives_a_clear_error(ray_session):
     """A reader reads a 2 GiB CUDA tensor again and again while its producer is
     killed: every read that finished was exact, and the first one after the kill
     ends in ProducerLostError or TransferError within the deadline, not a hang."""
@@ -722,3 +794,23 @@ def test_nixl_on_device_memory(gpu_pair, case):
     [ref] = ray.get(p.put.remote(case, "nixl"))
     result = ray.get(r.read.remote(case, [ref]), timeout=TIMEOUT)
     assert result == {"problem": None, "received": {"nixl": 1}}, result
+
+
+def test_nixl_on_device_memory_without_peer_error_handling(ray_session):
+    """With UCX's peer error handling (NIXL's default) UCX leaves out cuda_ipc and
+    moved device memory at 0.45 GB/s on the H200; without it (what this sets) the
+    cuda lanes are eligible. Exact values; the rate is printed, not judged."""
+    if not nixl_transport.available():
+        pytest.skip(f"NIXL is not installed ({nixl_transport.INSTALL_HINT})")
+    env = {"RAYDIRECT_NIXL_UCX_ERROR_MODE": "none", "RAYDIRECT_NIXL_UCX_INFO": "1"}
+    p, r = (Peer.options(runtime_env={"env_vars": env}).remote() for _ in range(2))
+    try:
+        [ref] = ray.get(p.put.remote("dtypes", "nixl"))
+        result = ray.get(r.read.remote("dtypes", [ref]), timeout=TIMEOUT)
+        assert result == {"problem": None, "received": {"nixl": 1}}, result
+        big = p.sized_nixl.remote(256 * MiB)
+        ray.get(r.try_read.remote([big]), timeout=TIMEOUT)  # the first read sets up
+        seconds = ray.get(r.timed_read.remote([big]), timeout=TIMEOUT)
+        print(f"nixl, error handling none: 256 MiB in {seconds * 1e3:.1f} ms")
+    finally:
+        _kill(p, r)

@@ -162,6 +162,46 @@ class Consumer(Base):
         return mismatch(value, make_value(kind))
 
 
+@ray.remote(num_cpus=0)
+class Caller:
+    """Calls a producer on another node and holds what it made (its lease tokens)."""
+
+    def make(self, producer: Any, n: int) -> int:
+        self.refs = [producer.make_auto.remote("dtypes") for _ in range(n)]
+        ray.wait(self.refs, num_returns=n, timeout=GET_TIMEOUT_S)
+        return n
+
+    def drop(self) -> None:
+        self.refs = []
+
+
+def caller_leases_across_nodes(results: dict[str, Any]) -> None:
+    """A caller on node A of a producer on node B: its frees cross to B's agent
+    (``dropped``), and its death frees what it held (``caller_died``)."""
+
+    def freed_when(drop: Callable[[Any], Any]) -> dict[str, Any]:
+        producer = Producer.options(**on("nodeB")).remote()
+        caller = Caller.options(**on("nodeA")).remote()
+        try:
+            ray.get(caller.make.remote(producer, 3), timeout=GET_TIMEOUT_S)
+            made = ray.get(producer.held.remote(), timeout=GET_TIMEOUT_S)
+            t0 = time.monotonic()
+            drop(caller)
+            while ray.get(producer.held.remote()) and time.monotonic() < t0 + 60:
+                time.sleep(0.05)
+            left = ray.get(producer.held.remote(), timeout=GET_TIMEOUT_S)
+            return {"made": made, "left": left, "seconds": round(time.monotonic() - t0, 1)}
+        finally:
+            ray.kill(producer)
+            ray.kill(caller)
+
+    def dropped(caller: Any) -> None:
+        ray.get(caller.drop.remote())
+
+    attempt(results, "caller_leases/dropped", lambda: freed_when(dropped))
+    attempt(results, "caller_leases/caller_died", lambda: freed_when(ray.kill))
+
+
 def read_and_check(ref: Any, kind: str, transport: str | None = None) -> dict:
     before = received()
     t0 = time.monotonic()
@@ -304,6 +344,7 @@ def scenario_transfers(address: str) -> dict[str, Any]:
         del ref
 
     encrypting_consumer_reads(results, producer, consumer)
+    caller_leases_across_nodes(results)
 
     # raydirect status sees both nodes' agents at their nodes' addresses.
     attempt(results, "status", lambda: status_rows(address))

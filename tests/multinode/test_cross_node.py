@@ -107,3 +107,11 @@ def test_status_shows_agents_bound_to_node_addresses(report):
         assert host == ip_of[row["node_id"]], row
         assert row["reachable"], row
     assert by_pid[report["producer"]["pid"]]["stats"]["objects_sent"].get("gloo") == 2
+
+
+@pytest.mark.parametrize("how", ["dropped", "caller_died"])
+def test_a_callers_leases_across_nodes(report, how):
+    """Objects of node B made for a caller on node A are freed when it drops its
+    refs (the frees cross to B's agent) and when it dies (Ray reports its death)."""
+    got = entry(report, f"caller_leases/{how}")
+    assert got["made"] == 3 and got["left"] == 0, got

@@ -90,6 +90,46 @@ def available() -> bool:
     return True
 
 
+ERROR_MODE_ENV = "RAYDIRECT_NIXL_UCX_ERROR_MODE"
+UCX_INFO_ENV = "RAYDIRECT_NIXL_UCX_INFO"
+_CUDA_TLS = ("cuda_copy", "cuda_ipc")
+
+
+def ucx_settings(env: dict[str, str], cuda: bool) -> tuple[dict[str, str], dict[str, str]]:
+    """(the UCX backend's init parameters, environment variables to set) for a NIXL
+    agent made in a process whose environment is ``env``; ``cuda``: it uses CUDA.
+
+    Why NIXL moved device memory at 0.45 GB/s on one H200 (500x slower than
+    cuda_ipc): NIXL's UCX backend makes its endpoints with peer error handling,
+    and UCX then selects only lanes whose transport can report a peer's failure.
+    cuda_ipc and the shared-memory transports cannot, so on one node every byte
+    went over UCX's tcp through host memory (ai-dynamo/nixl#1739, #2050 say the
+    same of ROCm's IPC). ``RAYDIRECT_NIXL_UCX_ERROR_MODE=none`` makes those lanes
+    eligible; the price is UCX's own notice of a dead peer, which on one node
+    raydirect's pid check gives anyway, and across nodes the read's deadline.
+    ``auto`` never picks NIXL on one node for CUDA memory (cuda_ipc does it).
+
+    ``UCX_TLS``, where set and CUDA is used, gets ``cuda_copy,cuda_ipc`` added:
+    without them UCX stages device memory through host buffers itself.
+    ``RAYDIRECT_NIXL_UCX_INFO=1`` sets ``UCX_PROTO_INFO=y``: UCX prints the
+    protocol and transport it picks for each kind of transfer."""
+    params: dict[str, str] = {}
+    mode = env.get(ERROR_MODE_ENV, "").strip().lower()
+    if mode:
+        if mode not in ("peer", "none"):
+            raise ValueError(f"{ERROR_MODE_ENV}={mode!r}: write 'peer' (UCX's default) or 'none'")
+        params["ucx_error_handling_mode"] = mode
+    changes: dict[str, str] = {}
+    tls = env.get("UCX_TLS")
+    if cuda and tls and not tls.startswith("^"):
+        wanted = [t for t in _CUDA_TLS if t not in tls.split(",") and "cuda" not in tls.split(",")]
+        if wanted:
+            changes["UCX_TLS"] = ",".join([tls, *wanted])
+    if env.get(UCX_INFO_ENV) == "1" and "UCX_PROTO_INFO" not in env:
+        changes["UCX_PROTO_INFO"] = "y"
+    return params, changes
+
+
 PROGRESS_DELAY_ENV = "RAYDIRECT_NIXL_PROGRESS_DELAY_US"
 DEFAULT_PROGRESS_DELAY_US = 1000
 
@@ -122,6 +162,23 @@ def _new_agent(api: Any, name: str, config: Any) -> Any:
             return api.nixl_agent(name, config)
         finally:
             api.nixlBind.nixlAgentConfig = base
+
+
+def _log_ucx(agent: Any, changes: dict[str, str]) -> None:
+    """Say how UCX was set up (info: once per process), so a slow NIXL read can be
+    told apart: peer error handling keeps device memory off cuda_ipc."""
+    try:
+        params = agent.get_backend_params("UCX")
+    except Exception:  # noqa: BLE001 (an older NIXL: the rest still says enough)
+        params = {}
+    log.info(
+        "raydirect: NIXL's UCX backend: error handling %s, UCX_TLS=%s%s (%s=1 prints "
+        "UCX's choice of transports)",
+        params.get("ucx_error_handling_mode", "peer (NIXL's default)"),
+        os.environ.get("UCX_TLS", "(unset: all)"),
+        f", set here: {changes}" if changes else "",
+        UCX_INFO_ENV,
+    )
 
 
 def _b64(data: bytes) -> str:
@@ -170,15 +227,21 @@ class NixlTransport(ByteTransport):
         with self._lock:
             if self._agent is None:
                 api = _nixl_api()
+                cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+                params, changes = ucx_settings(dict(os.environ), cuda)
+                os.environ.update(changes)  # read by UCX when the backend starts, below
                 config = api.nixl_agent_config(
                     enable_prog_thread=True,
                     enable_listen_thread=False,
-                    backends=["UCX"],
+                    backends=[] if params else ["UCX"],  # with params: made below
                     sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
                 )
                 name = f"rd-{_process.PID}-{_process.PROCESS_TOKEN.hex()[:12]}"
                 started = time.perf_counter()
                 agent = _new_agent(api, name, config)
+                if params:
+                    agent.create_backend("UCX", params)
+                _log_ucx(agent, changes)
                 if "UCX" not in agent.backends:
                     raise TransferError("NIXL's UCX backend failed to start in this process")
                 empty = api.nixlBind.nixlRegDList(api.nixlBind.DRAM_SEG)

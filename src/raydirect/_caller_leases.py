@@ -1,0 +1,339 @@
+"""Caller-owned leases: a direct object's exact lifetime without a subscription
+between its producer and the process that called for it.
+
+A lease the producer owns (``_lease``) is nested in a return the caller owns, so
+Ray makes the producer subscribe to the caller for each one and publish its
+release: measured in blocks, about 0.8-1 ms and 1.5-1.9 ms of CPU per 1 MiB
+transfer (docs/benchmarks.md, workload 8). Here the caller owns the lease too.
+
+Per (caller, producer) pair:
+
+- Caller side. Ray runs the invocation decorator of every ``rd.method`` in each
+  process that calls it through an actor handle (a handle passed by pickling
+  too). It passes a *token* as a hidden keyword argument: a ref the caller owns,
+  minted ``_MINTED`` at a time as the returns of one task on the producer
+  (``__ray_call__``; its small returns live in the caller's memory store, no
+  plasma). The mint is not waited for: a pending ref nests as well as a ready one.
+- The producer nests the token in the Payload where its own lease would go and
+  notes which object it stands for. Ray counts the token wherever the return
+  goes (borrowers, containers, pending tasks, other processes); the caller owns
+  it, so its out-of-scope callback fires in the caller.
+- The caller sends the ids of freed tokens with its next call to that producer,
+  or, after ``_FLUSH_S`` without one, to the producer's agent: never as a Ray
+  task, which a busy actor would run only after the method that keeps it busy
+  (one waiting in ``rd.wait_tensor_freed`` for this very free, say).
+- The first mint opens the pair: the producer takes a lease of its own (the
+  *watch*) and returns it, with its agent's address, nested in a return the
+  caller keeps for as long as it lives. When the caller dies, Ray drops its
+  borrow, the watch is released and the producer frees every object of the
+  pair: the caller owned their refs, so they died with it, as any Ray object
+  it owned does.
+- Wherever there is no token (a call not made through a handle, a method with
+  several returns, a pair this producer incarnation has not opened yet: a
+  restarted actor, or a concurrent actor that runs the call before the mint),
+  the producer's own lease stands in.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import ray
+
+from raydirect import _channel, _ray, _runtime, _server, _wire
+from raydirect._lease import leases
+from raydirect._server import CONTROL, Reply
+from raydirect._store import store
+from raydirect.errors import ProducerLostError
+
+log = logging.getLogger("raydirect")
+
+TOKEN_KW = "_rd_lease"  # (pair key, token ref)
+FREED_KW = "_rd_freed"  # (pair key, [token id, ...])
+_MINTED = 64  # tokens per mint
+_REFILL_BELOW = 16
+# Frees wait at most this long for a call to ride on. Short: a producer that
+# waits for a free (``rd.wait_tensor_freed``, workload 8's ``prepare``) idles
+# meanwhile, and the transfer after an idle is slower. Measured, workload 8
+# at 1/4/16 MiB: 1.74-1.78x / 1.83-2.06x / 2.45-2.93x the two calls with
+# 2 ms, 2.82x / 3.28x / 3.85x with 50 ms.
+_FLUSH_S = 0.002
+_ANSWER_S = 10.0  # for the agent's answer to frees sent on their own
+_GIVE_UP_S = 60.0  # frees the producer's agent did not take this long are dropped, logged
+_CALLER_GONE = "its caller, which owned its refs, died"
+
+
+# ---------------------------------------------------------------- producer side
+
+
+class _Ledger:
+    """In the producer: for each open pair, the objects its tokens stand for."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pairs: dict[str, dict[str, bytes]] = {}  # key -> token id -> obj id
+
+    def open(self, key: str) -> ray.ObjectRef:
+        watch = leases.take(lambda: self._caller_gone(key))
+        with self._lock:
+            self._pairs.setdefault(key, {})
+        return watch
+
+    def claim(self, token_arg: Any, obj_id: bytes) -> ray.ObjectRef | None:
+        """The token of ``token_arg`` now stands for ``obj_id``; None when the
+        pair is not open here (the caller's own lease is then not used)."""
+        try:
+            key, token = token_arg
+        except (TypeError, ValueError):
+            return None
+        if not isinstance(token, ray.ObjectRef):
+            return None
+        with self._lock:
+            pair = self._pairs.get(key)
+            if pair is None:
+                return None
+            pair[token.hex()] = obj_id
+        return token
+
+    def release(self, freed_arg: Any) -> None:
+        """The caller's tokens ``freed_arg`` went out of scope: free their objects."""
+        try:
+            key, ids = freed_arg
+            with self._lock:
+                pair = self._pairs.get(key, {})
+                objs = [pair.pop(i) for i in ids if i in pair]
+        except (TypeError, ValueError):
+            return
+        for obj_id in objs:
+            store.free_later(obj_id)
+
+    def _caller_gone(self, key: str) -> None:
+        with self._lock:
+            objs = list(self._pairs.pop(key, {}).values())
+        for obj_id in objs:
+            store.free_later(obj_id, why=_CALLER_GONE)
+
+    def forget_after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._pairs.clear()
+
+
+ledger = _Ledger()
+
+
+def _mint(actor: Any, key: str, n: int, opening: bool) -> list[Any]:
+    """Run in the producer: ``n`` token returns (None each), and on opening one
+    more holding the watch and the agent's address, kept by the caller for life."""
+    if not opening:
+        return [None] * n
+    return [None] * n + [[ledger.open(key), _runtime.agent().address]]
+
+
+def _serve_freed(request: dict[str, Any], reply: Reply) -> None:
+    """Frees a caller sent on their own (no call to ride on)."""
+    ledger.release((request.get("key"), request.get("ids")))
+    reply.send({"ok": True})
+
+
+_server.register(_wire.LEASES_FREED, _serve_freed, needs_object=False, lane=CONTROL)
+
+
+# ------------------------------------------------------------------ caller side
+
+
+class _Pair:
+    """The caller's state for one producer."""
+
+    def __init__(self) -> None:
+        self.key = os.urandom(16).hex()  # also what authorises its frees
+        self.tokens: collections.deque[ray.ObjectRef] = collections.deque()
+        self.opening: list[ray.ObjectRef] = []  # the opening mint's last return
+        self.agent: str | None = None  # the producer's agent, once the opening is back
+        self.freed: list[str] = []
+        self.freed_since = 0.0
+        self.failing_since: float | None = None  # frees the agent has not taken
+
+    def agent_address(self) -> str | None:
+        """The producer's agent; None while the opening mint has not run."""
+        if self.agent is None and self.opening:
+            ready, _ = ray.wait(self.opening, timeout=0, fetch_local=False)
+            if ready:
+                watch, self.agent = ray.get(ready[0])
+                self.opening.append(watch)  # held as a ref of its own too
+        return self.agent
+
+
+class CallerLeases:
+    """In every calling process: tokens per producer, and the frees to send."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pairs: dict[str, _Pair] = {}
+        self._session: tuple[int, str] | None = None
+        self._wake = threading.Condition(self._lock)
+        self._flusher: threading.Thread | None = None
+
+    def decorate(self, invocation: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+        """Ray's invocation decorator of an ``rd.method``."""
+
+        def with_lease(args: Any, kwargs: Any) -> Any:
+            handle = _ray.actor_of_invocation(invocation)
+            if handle is None:
+                return invocation(args, kwargs)
+            pair, token, freed = self._before_call(handle)
+            kwargs = dict(kwargs or {})
+            if token is not None:
+                kwargs[TOKEN_KW] = (pair.key, token)
+            if freed:
+                kwargs[FREED_KW] = (pair.key, freed)
+            try:
+                return invocation(args, kwargs)
+            except BaseException:
+                self._requeue(pair, freed)
+                raise
+
+        return with_lease
+
+    def _before_call(
+        self, handle: ray.actor.ActorHandle
+    ) -> tuple[_Pair, ray.ObjectRef | None, list[str]]:
+        actor_id = _ray.actor_id_of(handle)
+        with self._lock:
+            session = _ray.session_key()
+            if session != self._session:  # tokens of an earlier Ray session are void
+                self._pairs.clear()
+                self._session = session
+            pair = self._pairs.get(actor_id)
+            if pair is None:
+                pair = self._pairs[actor_id] = _Pair()
+            freed, pair.freed = pair.freed, []
+            if len(pair.tokens) < _REFILL_BELOW:  # one opening per pair: under the lock
+                self._mint(pair, handle)
+        try:
+            token = pair.tokens.popleft()
+        except IndexError:  # the mint was refused: the producer's lease stands in
+            return pair, None, freed
+        key = pair.key
+        if not _ray.add_out_of_scope_callback(
+            token, lambda _id: self._freed(actor_id, key, _id.hex())
+        ):
+            return pair, None, freed  # cannot happen while we hold ``token``
+        return pair, token, freed
+
+    def _mint(self, pair: _Pair, handle: ray.actor.ActorHandle) -> None:
+        opening = not pair.opening
+        try:
+            refs = _ray.mint_refs_on(handle, _mint, pair.key, _MINTED, opening, n=_MINTED + opening)
+        except ray.exceptions.PendingCallsLimitExceeded:
+            return
+        if opening:
+            pair.opening.append(refs.pop())
+        pair.tokens.extend(refs)
+
+    def _freed(self, actor_id: str, key: str, token_id: str) -> None:
+        """A token went out of scope (on a Ray thread: queue it and return)."""
+        with self._lock:
+            pair = self._pairs.get(actor_id)
+            if pair is None or pair.key != key:  # an earlier session's pair
+                return
+            if not pair.freed:
+                pair.freed_since = time.monotonic()
+            pair.freed.append(token_id)
+            self._start_flusher()
+            self._wake.notify()
+
+    def _requeue(self, pair: _Pair, freed: list[str]) -> None:
+        if freed:
+            with self._lock:
+                pair.freed[:0] = freed
+                pair.freed_since = time.monotonic()
+
+    def _start_flusher(self) -> None:
+        if self._flusher is None or not self._flusher.is_alive():
+            self._flusher = threading.Thread(
+                target=self._flush_idle, name="raydirect-lease-frees", daemon=True
+            )
+            self._flusher.start()
+
+    def _flush_idle(self) -> None:
+        """Send the frees no call carried within ``_FLUSH_S``."""
+        while True:
+            with self._lock:
+                due, wait = self._due(time.monotonic())
+                if not due:
+                    self._wake.wait(wait)
+                    continue
+            for pair, freed in due:
+                self._send(pair, freed)
+
+    def _send(self, pair: _Pair, freed: list[str]) -> None:
+        """To the producer's agent; queued again if it did not take them."""
+        try:
+            address = pair.agent_address()
+            if address is not None:
+                header = {"op": _wire.LEASES_FREED, "key": pair.key, "ids": freed}
+                answer = _channel.request(address, header, _ANSWER_S)
+                if answer.get("ok"):
+                    pair.failing_since = None
+                    return
+                why = str(answer.get("error", "refused"))
+            else:
+                why = "the producer has not run the call that opens the pair"
+        except (ProducerLostError, ray.exceptions.RayError):
+            return  # the producer is gone, and its objects with it
+        except Exception as exc:  # no answer in time, a broken connection
+            why = f"{type(exc).__name__}: {exc}"
+        now = time.monotonic()
+        pair.failing_since = pair.failing_since or now
+        if now - pair.failing_since >= _GIVE_UP_S:
+            log.warning(
+                "raydirect: %d lease free(s) dropped after %.0f s: %s", len(freed), _GIVE_UP_S, why
+            )
+            pair.failing_since = None
+        else:
+            self._requeue(pair, freed)
+
+    def _due(self, now: float) -> tuple[list[tuple[_Pair, list[str]]], float | None]:
+        """The frees to send now; else how long until the next is due (None: none queued)."""
+        due, wait = [], None
+        for pair in self._pairs.values():
+            if not pair.freed:
+                continue
+            left = pair.freed_since + _FLUSH_S - now
+            if left <= 0:
+                due.append((pair, pair.freed))
+                pair.freed = []
+            else:
+                wait = left if wait is None else min(wait, left)
+        return due, wait
+
+    def forget_after_fork(self) -> None:
+        """The pairs belong to the parent's Ray session; its flusher is gone."""
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._pairs = {}
+        self._session = None
+        self._flusher = None
+
+
+caller_leases = CallerLeases()
+
+
+def decorate(invocation: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """Ray's invocation decorator of an ``rd.method``: a module function, as Ray
+    pickles it with the actor class and every handle (by reference, then)."""
+    return caller_leases.decorate(invocation)
+
+
+def _forget_after_fork() -> None:
+    caller_leases.forget_after_fork()
+    ledger.forget_after_fork()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)

@@ -1,0 +1,177 @@
+"""Caller-owned leases: a call through an actor handle passes the caller's own
+token, which the producer nests in the Payload as its lease. Every lifetime of
+tests/test_lifetime.py runs on them (the driver calls through handles); here,
+the token path itself, callers that are actors, the caller's death, and the
+calls that get the producer's own lease instead."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import ray
+import torch
+
+import raydirect as rd
+from raydirect import _caller_leases
+
+from helpers import wait_for
+
+NUMEL = 1 << 16  # 256 KiB of float32: a direct object, not inline
+
+
+@ray.remote
+class Producer:
+    @rd.method
+    def value(self, n: int) -> torch.Tensor:
+        return torch.full((NUMEL,), float(n))
+
+    def claimed(self) -> int:
+        """Objects standing on a caller's token now."""
+        book = _caller_leases.ledger
+        with book._lock:
+            return sum(len(pair) for pair in book._pairs.values())
+
+    def held(self) -> int:
+        return rd.local_stats().num_objects
+
+    def own_call(self) -> list[ray.ObjectRef]:
+        """Its rd.method called as a plain method (no handle, no decorator): the
+        Payload carries the producer's own lease; returned nested, so kept."""
+        return [ray.put(self.value(7))]
+
+
+@ray.remote
+class Caller:
+    def pid(self) -> int:
+        return os.getpid()
+
+    def make(self, producer, n: int) -> int:
+        self.refs = [producer.value.remote(i) for i in range(n)]
+        ray.wait(self.refs, num_returns=n)
+        return n
+
+    def drop(self) -> None:
+        self.refs = []
+
+    def hand_over(self, producer, holder) -> None:
+        """An object made here, held only by ``holder`` (nested) once this returns."""
+        ref = producer.value.remote(3)
+        ray.get(holder.hold.remote([ref]))
+
+    def queued_frees(self) -> int:
+        with _caller_leases.caller_leases._lock:
+            return sum(len(p.freed) for p in _caller_leases.caller_leases._pairs.values())
+
+
+@ray.remote
+class Holder:
+    def hold(self, refs: list[ray.ObjectRef]) -> None:
+        self.refs = refs
+
+    def check(self, n: float) -> bool:
+        return bool((rd.get(self.refs[0], timeout=30) == n).all())
+
+    def drop(self) -> None:
+        self.refs = []
+
+
+def test_rd_method_carries_rays_invocation_decorator(ray_session):
+    """If a Ray upgrade drops ``__ray_invocation_decorator__``, calls silently go
+    back to the producer's own lease: this fails first."""
+    p = Producer.remote()
+    assert p.value._decorator is _caller_leases.decorate
+    ray.kill(p)
+
+
+def test_a_call_through_a_handle_leases_on_the_callers_token(ray_session):
+    p = Producer.remote()
+    ref = p.value.remote(1)
+    assert float(rd.get(ref)[0]) == 1.0
+    assert ray.get(p.claimed.remote()) == 1, "the producer took its own lease, not the caller's"
+    del ref
+    wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed once the ref is gone")
+    assert ray.get(p.claimed.remote()) == 0
+    ray.kill(p)
+
+
+def test_an_actors_objects_live_while_another_process_holds_them(ray_session):
+    """Made by one actor, passed nested to another, dropped by the caller."""
+    p, caller, holder = Producer.remote(), Caller.remote(), Holder.remote()
+    ray.get(caller.hand_over.remote(p, holder))
+    assert ray.get(holder.check.remote(3.0))
+    assert ray.get(p.held.remote()) == 1
+    ray.get(holder.drop.remote())
+    wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed after the holder dropped it")
+    for a in (p, caller, holder):
+        ray.kill(a)
+
+
+def test_frees_reach_the_producer_when_the_caller_makes_no_more_calls(ray_session):
+    """Nothing rides on a next call here: the caller sends its frees on its own."""
+    p, caller = Producer.remote(), Caller.remote()
+    ray.get(caller.make.remote(p, 5))
+    assert ray.get(p.claimed.remote()) == 5
+    ray.get(caller.drop.remote())
+    wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed without a next call")
+    assert ray.get(caller.queued_frees.remote()) == 0
+    ray.kill(p)
+    ray.kill(caller)
+
+
+def test_the_callers_death_frees_its_objects(ray_session):
+    p, caller = Producer.remote(), Caller.remote()
+    ray.get(caller.make.remote(p, 3))
+    assert ray.get(p.held.remote()) == 3
+    os.kill(ray.get(caller.pid.remote()), signal.SIGKILL)
+    wait_for(lambda: ray.get(p.held.remote()) == 0, timeout=60, what="freed after its caller died")
+    assert ray.get(p.claimed.remote()) == 0
+    ray.kill(p)
+
+
+def test_a_call_without_the_decorator_takes_the_producers_own_lease(ray_session):
+    p = Producer.remote()
+    [ref] = ray.get(p.own_call.remote())
+    assert ray.get(p.claimed.remote()) == 0
+    assert float(rd.get(ref)[0]) == 7.0
+    del ref
+    wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed by the producer's lease")
+    ray.kill(p)
+
+
+def test_a_threaded_producer_frees_every_object(ray_session):
+    """Its calls may run before the self-call that opens the pair: those take
+    the producer's own lease; all are freed once dropped, none early."""
+    p = Producer.options(max_concurrency=4).remote()
+    refs = [p.value.remote(i) for i in range(40)]
+    values = rd.get(refs)
+    assert [float(v[0]) for v in values] == [float(i) for i in range(40)]
+    assert ray.get(p.held.remote()) == 40
+    del refs, values
+    wait_for(lambda: ray.get(p.held.remote()) == 0, what="all freed")
+    ray.kill(p)
+
+
+def test_tokens_of_a_driver_are_caller_owned_memory_store_objects(ray_session):
+    """The tokens are minted as task returns: no plasma object per transfer."""
+    p = Producer.remote()
+    ref = p.value.remote(1)
+    ray.wait([ref])
+    pair = next(iter(_caller_leases.caller_leases._pairs.values()))
+    token = pair.tokens[0]
+    ray.wait([token], fetch_local=False)
+    found = ray.experimental.get_object_locations([token])
+    assert not found[token]["node_ids"], "a token is a plasma object (has Ray changed?)"
+    del ref
+    ray.kill(p)
+
+
+def test_a_method_waiting_for_a_free_is_not_blocked_by_it(pair):
+    """The free of a dropped ref reaches a single-threaded producer busy in
+    ``rd.wait_tensor_freed``: sent to its agent, not queued as a task behind it."""
+    p, _ = pair
+    ref = p.keep.remote("waited")
+    rd.get(ref)
+    waiting = p.wait_freed.remote("waited", 30)
+    del ref
+    assert ray.get(waiting) == "freed"
