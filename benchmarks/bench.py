@@ -1,4 +1,4 @@
-"""raydirect against Ray's object store and Ray's RDT, eleven workloads, one Ray session.
+"""raydirect against Ray's object store and Ray's RDT, sixteen workloads, one Ray session.
 
 1. actor -> actor, one tensor, 4 KiB ... 1 GiB
 2. weight sync: a 256 MiB state dict of 200 tensors to 1, 2 and 4 consumers
@@ -16,11 +16,18 @@
 11. the KV hand-off between two vLLM engines through RaydirectConnector, prompts of 128,
    512 and 2,048 tokens, beside NixlConnector (--groups ...,nixl), ExampleConnector and D
    prefilling itself, and P's CPU while it holds blocks (needs vLLM, as 9: --workloads 11)
+12. planning a reshard of a 1T-parameter MoE, 256 trainer ranks to 128 workers (no Ray)
+13. what a lifetime costs consecutive 1 MiB transfers, in time and CPU (lease, reads=1, rd.put)
+14. where one transfer's time goes, step by step in both processes (a profiling aid)
+15. one tensor across two real Ray nodes in network namespaces, iperf3 beside (root; only
+   when named in --workloads)
+16. one tensor from one node to four consumers on two others, with the copies sent (root;
+   only when named)
 
 Every value moved is checked. Tables (markdown, with ratios) go to stdout,
 progress lines to stderr. See benchmarks/README.md for what each row means.
 
-    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7,8,9,10,11] [--quick] [--groups ...]
+    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7,8,9,10,11,12,13,14] [--quick] [--groups ...]
                           [--json out.json] [--plot out.png]
 """
 
@@ -33,7 +40,9 @@ import os
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # rdbench, also for Ray's workers
 
@@ -47,6 +56,7 @@ from rdbench.common import (  # noqa: E402
     RAY_NUM_CPUS,
     THP_ENV,
     THP_ENV_VAR,
+    Row,
     format_size,
     log,
     parse_size,
@@ -63,38 +73,49 @@ from rdbench.report import (  # noqa: E402
 
 from raydirect.transports.shm import sweep_after_shutdown  # noqa: E402
 
-DEFAULTS = {  # option -> (full run, --quick)
-    "sizes": ("4KiB,1MiB,64MiB,512MiB,1GiB", "4KiB,1MiB,64MiB"),
-    "state_size": ("256MiB", "32MiB"),
-    "consumers": ("1,2,4", "1,2,4"),
-    "round_trips": (1000, 200),
-    "part_size": ("32MiB", "4MiB"),
-    "driver_size": ("512MiB", "64MiB"),
-    "repeats": (5, 2),  # REPEATS, QUICK_REPEATS
-    "sync_steps": (10, 2),
-    "medium_sizes": ("4KiB,64KiB,256KiB,1MiB,4MiB,16MiB", "4KiB,1MiB"),
-    "rounds": (40, 3),
-    "kv_rounds": (10, 2),
-}
+# Each workload option: (name, type, what it sets, full run's default, --quick's).
+# Sizes ("size", "sizes") take 4KiB, 64MiB, 4096; counts ("count", "counts") numbers.
+OPTIONS = (
+    ("sizes", "sizes", "workload 1: sizes", "4KiB,1MiB,64MiB,512MiB,1GiB", "4KiB,1MiB,64MiB"),
+    ("state_size", "size", "workloads 2, 6, 7, 14: state dict size; 16: the tensor's",
+     "256MiB", "32MiB"),
+    ("consumers", "counts", "workloads 2, 6: consumer counts; 7: N -> N for each from 2",
+     "1,2,4", "1,2,4"),
+    ("sync_steps", "count", "workloads 2, 6, 7: timed steps after the cold one", "10", "2"),
+    ("round_trips", "count", "workload 3: round trips", "1000", "200"),
+    ("part_size", "size", "workload 4: bytes per ref", "32MiB", "4MiB"),
+    ("driver_size", "size", "workload 5: the driver's tensor", "512MiB", "64MiB"),
+    ("medium_sizes", "sizes", "workload 8: sizes", "4KiB,64KiB,256KiB,1MiB,4MiB,16MiB",
+     "4KiB,1MiB"),
+    ("rounds", "count", "workload 8: timed transfers per system, in blocks; 10, 14: rounds",
+     "40", "3"),
+    ("kv_rounds", "count", "workload 11: interleaved rounds", "10", "2"),
+    # 128 in --quick too: 4 s, and the spread is judged over every worker
+    ("plan_workers", "count", "workload 12: workers whose plans are summed", "128", "128"),
+    ("lease_blocks", "count", "workload 13: blocks of 25 transfers per system", "8", "1"),
+    ("timeline_sizes", "sizes", "workload 14: one-tensor transfers", "1MiB,16MiB", "1MiB"),
+    ("timeline_tensors", "counts", "workload 14: state dicts of 1, 200 or 5000 tensors",
+     "1,200,5000", "200"),
+    ("node_sizes", "sizes", "workload 15: sizes across two nodes", "64MiB,512MiB,1GiB", "64MiB"),
+)  # fmt: skip
+# Workloads 15 and 16 start a cluster in network namespaces (root), which a test
+# run on the same machine may be using: they run only when named.
+DEFAULT_WORKLOADS = "1,2,3,4,5,6,7,8,9,10,11,12,13,14"
 REPEATS, QUICK_REPEATS = 5, 2
 LARGE_REPEATS = 3  # full run: for operations moving LARGE_REPEATS_FROM bytes or more
+TIMELINE_TENSORS = {1, 200, 5000}  # workload 6's layouts
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="raydirect bench",
         description=(__doc__ or "").split("\n\n")[0],
         epilog="Defaults in brackets are (full run / --quick).",
     )
-
-    def default(name: str) -> str:
-        full, quick = DEFAULTS[name]
-        return f"[{full} / {quick}]"
-
     parser.add_argument(
         "--workloads",
-        default="1,2,3,4,5,6,7,8,9,10,11",
-        help="which workloads to run, e.g. 1,3 [all]",
+        default=DEFAULT_WORKLOADS,
+        help=f"which workloads to run, e.g. 1,3 [{DEFAULT_WORKLOADS}; 15 and 16 need root]",
     )
     parser.add_argument(
         "--groups",
@@ -103,91 +124,47 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         f"[default: {','.join(DEFAULT_GROUPS)}; nixl rows run in a run of their own]",
     )
     parser.add_argument("--quick", action="store_true", help="small sizes, few repeats")
-    parser.add_argument("--sizes", help=f"workload 1: comma-separated sizes {default('sizes')}")
     parser.add_argument(
         "--repeats",
         type=int,
-        help=f"timed operations after the cold one {default('repeats')}; the full run uses "
-        f"{LARGE_REPEATS} where an operation moves {format_size(LARGE_REPEATS_FROM)} or more",
+        help=f"timed operations after the cold one [{REPEATS} / {QUICK_REPEATS}]; the full run "
+        f"uses {LARGE_REPEATS} where an operation moves {format_size(LARGE_REPEATS_FROM)} or more",
     )
-    parser.add_argument(
-        "--state-size", help=f"workloads 2, 6, 7: state dict size {default('state_size')}"
-    )
-    parser.add_argument(
-        "--consumers",
-        help=f"workloads 2, 6: consumer counts; 7: N -> N for each from 2 {default('consumers')}",
-    )
-    parser.add_argument(
-        "--sync-steps",
-        type=int,
-        help=f"workloads 2, 6, 7: timed steps after the cold one {default('sync_steps')}",
-    )
-    parser.add_argument(
-        "--round-trips", type=int, help=f"workload 3: round trips {default('round_trips')}"
-    )
-    parser.add_argument("--part-size", help=f"workload 4: bytes per ref {default('part_size')}")
-    parser.add_argument(
-        "--driver-size", help=f"workload 5: the driver's tensor {default('driver_size')}"
-    )
+    for name, _, what, full, quick in OPTIONS:
+        parser.add_argument(f"--{name.replace('_', '-')}", help=f"{what} [{full} / {quick}]")
     parser.add_argument(
         "--json", metavar="PATH", help="write every raw timing here ('-': stdout, tables to stderr)"
     )
     parser.add_argument(
-        "--medium-sizes", help=f"workload 8: comma-separated sizes {default('medium_sizes')}"
-    )
-    parser.add_argument(
-        "--rounds",
-        type=int,
-        help="workload 8: timed transfers per system, in blocks; 10: interleaved rounds "
-        f"{default('rounds')}",
-    )
-    parser.add_argument(
-        "--kv-rounds", type=int, help=f"workload 11: interleaved rounds {default('kv_rounds')}"
-    )
-    parser.add_argument(
         "--plot", metavar="PNG", help="write GB/s against size (workloads 1 and 2) here"
     )
+    return parser
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The options, each workload option turned into its values (``OPTIONS``):
+    sizes in bytes, counts as ints; a bad value stops with a message."""
+    parser = _parser()
     args = parser.parse_args(argv)
-
-    def pick(name: str) -> str:
-        value = getattr(args, name)
-        return str(value if value is not None else DEFAULTS[name][1 if args.quick else 0])
-
-    def ints(text: str, what: str) -> list[int]:
+    for name, kind, _, full, quick in OPTIONS:
+        given = getattr(args, name)
+        text = given if given is not None else (quick if args.quick else full)
+        flag = f"--{name.replace('_', '-')}"
         try:
-            values = [int(v) for v in text.split(",") if v.strip()]
-        except ValueError:
-            parser.error(f"{what}: expected comma-separated numbers, got {text!r}")
-        if not values or min(values) < 1:
-            parser.error(f"{what}: expected positive numbers, got {text!r}")
-        return values
-
-    try:
-        args.size_list = [parse_size(s) for s in pick("sizes").split(",") if s.strip()]
-        args.medium_list = [parse_size(s) for s in pick("medium_sizes").split(",") if s.strip()]
-        args.state_bytes = parse_size(pick("state_size"))
-        args.part_bytes = parse_size(pick("part_size"))
-        args.driver_bytes = parse_size(pick("driver_size"))
-    except argparse.ArgumentTypeError as exc:
-        parser.error(str(exc))
-    if args.state_bytes < MIB:
+            values = [_value(v, kind, flag) for v in text.split(",") if v.strip()]
+        except argparse.ArgumentTypeError as exc:
+            parser.error(str(exc))
+        if not values:
+            parser.error(f"{flag}: expected a value, got {text!r}")
+        setattr(args, name, values if kind.endswith("s") else values[0])
+    args.workload_list = _checked(parser, args.workloads, "--workloads", set(WORKLOADS))
+    args.group_list = _checked(parser, args.groups, "--groups", set(GROUPS), str)
+    if args.state_size < MIB:
         parser.error("--state-size must be at least 1MiB")
-    args.workload_list = ints(args.workloads, "--workloads")
-    unknown_w = set(args.workload_list) - set(WORKLOADS)
-    if unknown_w:
-        parser.error(f"unknown workload(s) {sorted(unknown_w)}; choose from {sorted(WORKLOADS)}")
-    args.consumer_list = ints(pick("consumers"), "--consumers")
-    args.round_trip_count = ints(pick("round_trips"), "--round-trips")[0]
-    args.round_count = ints(pick("rounds"), "--rounds")[0]
-    args.kv_round_count = ints(pick("kv_rounds"), "--kv-rounds")[0]
-    args.group_list = [g.strip() for g in args.groups.split(",") if g.strip()]
-    unknown = set(args.group_list) - set(GROUPS)
-    if unknown:
-        parser.error(f"unknown group(s) {sorted(unknown)}; choose from {GROUPS}")
+    if set(args.timeline_tensors) - TIMELINE_TENSORS:
+        parser.error(f"--timeline-tensors takes 1, 200 or 5000, got {args.timeline_tensors}")
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be at least 1")
-    if args.sync_steps is not None and args.sync_steps < 1:
-        parser.error("--sync-steps must be at least 1")
     if args.plot:
         missing = plot_available()
         if missing:
@@ -195,9 +172,34 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def _value(text: str, kind: str, flag: str) -> int:
+    """One size (``kind`` "size"/"sizes") or positive count, or why not."""
+    if kind.startswith("size"):
+        return parse_size(text)
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{flag}: expected numbers, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{flag}: expected positive numbers, got {text!r}")
+    return value
 
+
+def _checked(
+    parser: argparse.ArgumentParser, text: str, flag: str, known: set[Any], kind: Any = int
+) -> list[Any]:
+    """Comma-separated choices, each one of ``known``."""
+    try:
+        chosen = [kind(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"{flag}: expected comma-separated numbers, got {text!r}")
+    unknown = set(chosen) - known
+    if unknown or not chosen:
+        parser.error(f"{flag}: unknown {sorted(unknown)}; choose from {sorted(known)}")
+    return chosen
+
+
+def _config(args: argparse.Namespace) -> Config:
     def repeats(nbytes: int) -> int:
         if args.repeats is not None:
             return int(args.repeats)
@@ -205,22 +207,65 @@ def main(argv: Sequence[str] | None = None) -> int:
             return QUICK_REPEATS
         return LARGE_REPEATS if nbytes >= LARGE_REPEATS_FROM else REPEATS
 
-    config = Config(
+    return Config(
         workloads=sorted(args.workload_list),
         groups=args.group_list,
-        sizes=args.size_list,
+        sizes=args.sizes,
         repeats=repeats,
-        state_bytes=args.state_bytes,
-        consumers=args.consumer_list,
-        sync_steps=int(args.sync_steps or DEFAULTS["sync_steps"][1 if args.quick else 0]),
-        round_trips=args.round_trip_count,
-        part_bytes=args.part_bytes,
-        driver_bytes=args.driver_bytes,
-        medium_sizes=args.medium_list,
-        medium_rounds=args.round_count,
+        state_bytes=args.state_size,
+        consumers=args.consumers,
+        sync_steps=args.sync_steps,
+        round_trips=args.round_trips,
+        part_bytes=args.part_size,
+        driver_bytes=args.driver_size,
+        medium_sizes=args.medium_sizes,
+        medium_rounds=args.rounds,
         quick=args.quick,
-        kv_rounds=args.kv_round_count,
+        kv_rounds=args.kv_rounds,
+        plan_workers=args.plan_workers,
+        lease_blocks=args.lease_blocks,
+        timeline_sizes=args.timeline_sizes,
+        timeline_tensors=args.timeline_tensors,
+        node_sizes=args.node_sizes,
     )
+
+
+def _run(config: Config) -> list[Row]:
+    """Every chosen workload in one embedded Ray session, its actors shared."""
+    ray.init(
+        num_cpus=RAY_NUM_CPUS,
+        include_dashboard=False,
+        runtime_env={"env_vars": THP_ENV},
+        logging_level=logging.WARNING,
+    )
+    rows: list[Row] = []
+    ctx = Context(config)
+    try:
+        ctx.start()
+        for number in config.workloads:
+            workload = WORKLOADS[number]
+            log(f"== workload {number}: {workload.title}")
+            rows += workload.run(ctx)
+        ctx.close()
+    finally:
+        ray.shutdown()
+        sweep_after_shutdown()
+    return order_rows(rows)
+
+
+def _write_json(path: str, report: dict[str, Any]) -> None:
+    if path == "-":
+        json.dump(report, sys.stdout, indent=2)
+        print()
+        return
+    with open(path, "w") as f:
+        json.dump(report, f, indent=2)
+    log(f"raw timings written to {path}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    config = _config(args)
     # PyTorch reads this on its first large allocation: set before any, so the
     # in-process floors get the same allocator as the workers.
     os.environ.update(THP_ENV)
@@ -233,53 +278,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(header.removeprefix("# "))
     log(f"workloads {config.workloads}, groups {config.groups}")
     started = time.perf_counter()
-    ray.init(
-        num_cpus=RAY_NUM_CPUS,
-        include_dashboard=False,
-        runtime_env={"env_vars": THP_ENV},
-        logging_level=logging.WARNING,
-    )
-    rows = []
-    ctx = Context(config)
-    try:
-        ctx.start()
-        for number in config.workloads:
-            workload = WORKLOADS[number]
-            log(f"== workload {number}: {workload.title}")
-            rows += workload.run(ctx)
-        ctx.close()
-    finally:
-        ray.shutdown()
-        sweep_after_shutdown()
+    rows = _run(config)
     elapsed = time.perf_counter() - started
-    rows = order_rows(rows)
     chosen = [WORKLOADS[n] for n in config.workloads]
     text = render_report(chosen, rows, header, elapsed)
     print(text, file=sys.stderr if args.json == "-" else sys.stdout, flush=True)
     if args.json:
-        settings = {
-            "workloads": config.workloads,
-            "groups": config.groups,
-            "sizes": config.sizes,
-            "state_bytes": config.state_bytes,
-            "consumers": config.consumers,
-            "round_trips": config.round_trips,
-            "part_bytes": config.part_bytes,
-            "driver_bytes": config.driver_bytes,
-            "medium_sizes": config.medium_sizes,
-            "medium_rounds": config.medium_rounds,
-            "kv_rounds": config.kv_rounds,
-            "quick": args.quick,
-            "ray_num_cpus": RAY_NUM_CPUS,
-        }
-        report = report_json(chosen, rows, facts, settings, elapsed)
-        if args.json == "-":
-            json.dump(report, sys.stdout, indent=2)
-            print()
-        else:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=2)
-            log(f"raw timings written to {args.json}")
+        settings = {f.name: getattr(config, f.name) for f in fields(config) if f.name != "repeats"}
+        settings["ray_num_cpus"] = RAY_NUM_CPUS
+        _write_json(args.json, report_json(chosen, rows, facts, settings, elapsed))
     if args.plot:
         if write_plot(args.plot, rows, header):
             log(f"plot written to {args.plot}")

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 CLI = [sys.executable, "-m", "raydirect.cli"]
-WORKLOADS = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11}
+WORKLOADS = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14}  # 15, 16: root, run apart
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
@@ -33,6 +34,10 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
         "--medium-sizes", "4KiB,1MiB",
         "--rounds", "2",
         "--kv-rounds", "1",
+        "--plan-workers", "2",
+        "--lease-blocks", "1",
+        "--timeline-sizes", "4KiB",
+        "--timeline-tensors", "1",
     ]  # fmt: skip
     png = tmp_path / "bench.png"
     plot = ["--plot", str(png)] if importlib.util.find_spec("matplotlib") else []
@@ -87,6 +92,17 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
         nine = [r for r in rows if r["workload"] in (9, 11)]
         assert {r["workload"] for r in nine} == {9, 11}, nine
         assert all("setup-vllm-venv.sh" in (r["skipped"] or "") for r in nine), nine
+    # workload 12: the planner alone, every plan checked; 13: each lifetime's CPU per
+    # transfer beside its time; 14: the steps of a transfer and of a weight-sync step
+    plans = {r["system"]: r for r in rows if r["workload"] == 12}
+    assert plans["every worker's targets built and planned"]["measured"], plans
+    assert len(plans) == 3, plans
+    leases = [r for r in rows if r["workload"] == 13]
+    assert len(leases) == 5 and all(r["measured"] for r in leases), leases
+    steps = {(r["param"], r["system"]) for r in rows if r["workload"] == 14}
+    assert ("4KiB, one tensor", "the two calls, raydirect auto") in steps, steps
+    assert ("1 tensor, rd.get(into=)", "rd.get(into=): producer: export") in steps, steps
+    assert "| the two calls, returning an int | 0.00 |" in done.stdout
     # the floor of a sharded load: one copy of rank 0's bytes, in one process
     assert (6, "floor: in-process copy, 4-way sharded") in systems
     # workload 7: 2 ranks -> 2 workers (the consumer counts from 2), every system and
@@ -349,3 +365,94 @@ def test_every_benchmark_script_is_a_command_the_docs_give_and_each_command_exis
     imported = {s for s in scripts if re.search(rf"^(from|import) {s}\b", sources, re.M)}
     assert sorted(scripts - commands - imported) == [], "scripts no command of the docs runs"
     assert sorted(commands - scripts) == [], "commands naming a script that is not there"
+
+
+def test_cross_node_workloads_skip_without_the_harness_and_read_their_driver(monkeypatch):
+    """Workloads 15 and 16 run only when named (a cluster in network namespaces,
+    root): where the harness cannot run, each row says why; a driver's timings
+    become rows (bytes delivered: four consumers, or the two halves of weight
+    sync), with the copies node B sent, summed up under the table."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from rdbench import multinode
+    from rdbench.fleet import Config, Context
+
+    monkeypatch.setattr(multinode.harness, "unavailable_reason", lambda: "not root")
+    config = Config([15, 16], ["raydirect"], [], lambda n: 1, 1 << 20, [1], 1, 1, 1, 1)
+    for run in (multinode.two_nodes, multinode.fan_out):
+        rows = run(Context(config))
+        assert rows and all("not root" in (r.skipped or "") for r in rows), rows
+    size = 1 << 20
+    fake = [
+        {"system": "raydirect broadcast", "nbytes": size, "cold_s": 0.1, "times_s": [0.02],
+         "sent": [2 * size]},
+        {"system": multinode.DIRECT, "nbytes": size, "times_s": [0.04], "sent": [4 * size]},
+        {"system": "raydirect weights (half per worker)", "nbytes": size, "delivered": 2 * size,
+         "times_s": [0.01], "sent": [2 * size]},
+    ]  # fmt: skip
+    rows = [multinode._row(16, r) for r in fake]
+    assert [r.nbytes for r in rows] == [4 * size, 4 * size, 2 * size]
+    assert rows[0].median() == pytest.approx(4 * size / 0.02 / 1e9)
+    table = multinode.node_targets(rows)
+    assert "| raydirect broadcast | 1MiB | 2.00 |" in table
+    assert f"| {multinode.DIRECT} | 1MiB | 4.00 |" in table
+
+
+def test_lease_and_plan_targets_are_judged_as_printed():
+    """Workload 13's summary: each lifetime over the bare calls (at most 2.0x with a
+    lease, 1.3x with reads=1) and every row's CPU per transfer; workload 12's: the
+    plan's time over 1 s and the bytes per source rank, max/mean (at most 1.1x)."""
+    sys.path.insert(0, str(BENCHMARKS))
+    from rdbench.common import Row
+    from rdbench.leases import BARE, CPU, LEASED, READ_ONCE, lease_targets
+    from rdbench.plan_moe import EVERY_PLAN, ONE_PLAN, SPREAD, plan_targets
+
+    def row(system: str, ms: float, cpu: float) -> Row:
+        made = Row(13, system, "1MiB", 1 << 20, 1 << 20, unit="us", times_s=[ms / 1e3] * 3)
+        made.measured[CPU] = cpu
+        return made
+
+    text = lease_targets([row(BARE, 1.0, 1.2), row(LEASED, 2.1, 4.0), row(READ_ONCE, 1.3, 1.8)])
+    assert f"| {LEASED} / the two calls, at most 2x | 1MiB | 2.10x | - | no |" in text
+    assert f"| {READ_ONCE} / the two calls, at most 1.3x | 1MiB | 1.30x | - | yes |" in text
+    assert f"| {LEASED} | 4.00 |" in text
+    plan = Row(12, ONE_PLAN, "256 ranks -> 128 workers", 128, 0, unit="us", times_s=[0.03])
+    every = Row(12, EVERY_PLAN, plan.param, 128, 0, unit="us", times_s=[4.0])
+    every.measured[SPREAD] = 1.012
+    text = plan_targets([plan, every])
+    assert "| worker 0's plan time / 1 s, at most 1x | 256 ranks -> 128 workers | 0.03x |" in text
+    assert f"| {SPREAD}, at most 1.1x | 256 ranks -> 128 workers | 1.01x | - | yes |" in text
+    assert "69,975 tensors, 1.026T parameters" in text
+
+
+TWO_NODES_ON_ONE = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import ray
+from rdbench import cross_node
+cross_node.link_bytes = lambda: 0  # no harness to ask
+cross_node.RDT_ENV = dict(cross_node.ENV)  # one node: no rdveth to name
+nodes = {"nodeA": 1, "nodeB": 1, "nodeC": 1}
+ray.init(num_cpus=4, resources=nodes, include_dashboard=False, logging_level="error")
+print(json.dumps(cross_node.two_nodes([1 << 20], 1)))
+"""
+
+
+def test_cross_node_driver_runs_workload_15_on_one_node():
+    """Workload 15's driver, every row, on one embedded node that carries the
+    nodes' resources (the network aside, what runs in the head's namespace):
+    each row one cold and one timed transfer, checked; the producer serving
+    three rows waits for no ref the driver still holds."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    done = subprocess.run(
+        [sys.executable, "-c", TWO_NODES_ON_ONE, str(BENCHMARKS)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(result["rows"]) == 7
+    for row in result["rows"]:
+        assert "error" not in row and row["cold_s"] and len(row["times_s"]) == 1, row
+    assert result["received"] == {"tcp": 6, "gloo": 2}

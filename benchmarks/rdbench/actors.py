@@ -88,8 +88,6 @@ class PatternSource:
         return tensor
 
     def pid(self) -> int:
-        import os
-
         return os.getpid()
 
 
@@ -141,6 +139,14 @@ class _Producer(PatternSource):
     def number(self, name: str) -> int:
         """Workload 8's baseline: the call of ``one``, returning an int (the seed)."""
         return int(self.tensors[name][0])
+
+    def put_number(self, name: str) -> list[Any]:
+        """Workload 13: ``put_auto``'s baseline, a put ref of an int (the seed)."""
+        return [ray.put(int(self.tensors[name][0]))]
+
+    def put_auto(self, name: str) -> list[Any]:
+        """Workload 13: ``rd.put`` of the tensor, its ref in a list (not resolved by Ray)."""
+        return [rd.put(self.tensors[name])]
 
     def stats(self) -> dict[str, Any]:
         return asdict(rd.local_stats())
@@ -263,6 +269,16 @@ class CheckingConsumer:
         """Workloads 1 and 5's peer: one tensor as a task argument."""
         check_pattern(tensor, seed, nbytes)
         return nbytes
+
+    def consume_put(self, refs: list[Any], seed: int, nbytes: int) -> int:
+        """Workload 13: ``put_auto``'s or ``put_number``'s ref, read here."""
+        value = ray.get(refs[0], timeout=TRANSFER_TIMEOUT_S)
+        if isinstance(value, int):
+            return self.take_number(value, seed, nbytes)
+        return self.consume(value, seed, nbytes)
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def take_number(self, value: int, seed: int, nbytes: int) -> int:
         """Workload 8's baseline: the call of ``consume``, taking an int."""

@@ -5,9 +5,13 @@ from __future__ import annotations
 from rdbench.common import OBJECT_STORE, PLAIN_CALL, RDT_GLOO, Workload
 from rdbench.driver import to_driver
 from rdbench.kv_handoff import NIXL_HANDOFF, NIXL_TRANSFER, kv_handoff, kv_targets
+from rdbench.leases import BARE, lease_targets, leases
 from rdbench.medium import TWO_CALLS, medium, medium_targets
+from rdbench.multinode import BASELINES_15, BASELINES_16, fan_out, node_targets, two_nodes
+from rdbench.plan_moe import plan_moe, plan_targets
 from rdbench.regions import FLOOR_GATHER, NIXL_READ, region_reads
 from rdbench.reshard import GATHER_PUBLISH, reshard, reshard_targets
+from rdbench.timeline import timeline, timeline_table
 from rdbench.vllm_update import FLOOR, NAIVE, vllm_targets, vllm_update
 from rdbench.weights import weight_api, weight_targets
 from rdbench.workloads import (
@@ -108,6 +112,50 @@ WORKLOADS = {
             (NIXL_HANDOFF, NIXL_TRANSFER),
             kv_handoff,
             kv_targets,
+        ),
+        Workload(
+            12,
+            "planning a reshard of a 1T-parameter MoE: 256 trainer ranks to 128 workers",
+            "ranks -> workers",
+            "us",
+            (),
+            plan_moe,
+            plan_targets,
+        ),
+        Workload(
+            13,
+            "what a lifetime costs consecutive 1 MiB transfers, in time and CPU",
+            "size",
+            "us",
+            (BARE,),
+            leases,
+            lease_targets,
+        ),
+        Workload(
+            14,
+            "where one transfer's time goes, step by step, in both processes",
+            "point",
+            "us",
+            (),
+            timeline,
+            timeline_table,
+        ),
+        Workload(
+            15,
+            "one tensor across two real nodes (network namespaces; root)",
+            "size",
+            "GB/s",
+            BASELINES_15,
+            two_nodes,
+        ),
+        Workload(
+            16,
+            "one tensor from node B to four consumers on two other nodes (root)",
+            "size",
+            "GB/s",
+            BASELINES_16,
+            fan_out,
+            node_targets,
         ),
     ]
 }

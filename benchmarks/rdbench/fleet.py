@@ -48,6 +48,11 @@ class Config:
     medium_rounds: int = 40  # workloads 8 and 10: interleaved rounds after the cold one
     quick: bool = False  # workload 9: a small model instead of ~320 MiB
     kv_rounds: int = 10  # workload 11: interleaved rounds after the cold one
+    plan_workers: int = 128  # workload 12: workers whose plans are summed
+    lease_blocks: int = 8  # workload 13: blocks per system
+    timeline_sizes: list[int] = field(default_factory=list)  # workload 14: transfers
+    timeline_tensors: list[int] = field(default_factory=list)  # workload 14: state dicts
+    node_sizes: list[int] = field(default_factory=list)  # workload 15
 
     def wants(self, group: str) -> bool:
         return group in self.groups
@@ -94,7 +99,8 @@ class Context:
             log(f"starting RDT's producer and {consumers} consumer(s)")
             self._rdt_actors = [RdtProducer.remote()]
             self._rdt_actors += [RdtConsumer.remote() for _ in range(consumers)]
-        shared = set(cfg.workloads) - {7, 9, 10, 11}  # these start their own processes
+        # These start their own processes, or none (12: the planner alone).
+        shared = set(cfg.workloads) - {7, 9, 10, 11, 12, 14, 15, 16}
         if shared and (cfg.wants(GROUP_RAYDIRECT) or cfg.wants(GROUP_RAY) or cfg.wants(GROUP_NIXL)):
             producers = PRODUCERS_W4 if 4 in cfg.workloads else 1
             self.producers(producers, wait=False)

@@ -71,6 +71,12 @@ from rdbench.common import (
 from rdbench.fleet import Context
 from rdbench.kv_holding import holding_table, main_threads, measure_holding
 from rdbench.report import TargetLine, render_targets
+from rdbench.vllm_shared import VLLM, installed
+
+# The engines' side imports vLLM and raydirect.vllm: importable only where both
+# are (elsewhere ``_why_not`` skips every row and says why).
+if installed(VLLM) and installed("raydirect.vllm"):
+    from rdbench import kv_actors
 
 GEOMETRY = {  # Llama-3.2-1B's KV: 16 layers x 8 KV heads x head dim 64
     "hidden_size": 512,
@@ -128,8 +134,6 @@ def kv_handoff(ctx: Context) -> list[Row]:
         row.skipped = why.get("all") or why.get(system)
     if "all" in why:
         return list(rows.values())
-    from rdbench import kv_actors
-
     files = tempfile.mkdtemp(dir="/dev/shm", prefix="rdbench-kv-example-")
     engines: dict[str, Any] = {}
     try:
@@ -156,9 +160,9 @@ SYSTEMS = (RD_HANDOFF, RD_TRANSFER, NIXL_HANDOFF, NIXL_TRANSFER, EXAMPLE, PREFIL
 
 def _why_not(ctx: Context) -> dict[str, str]:
     """Why rows cannot run here, by system (``all``: none of them)."""
-    if importlib.util.find_spec("vllm") is None:
+    if not installed(VLLM):
         return {"all": INSTALL}
-    if importlib.util.find_spec("raydirect.vllm") is None:
+    if not installed("raydirect.vllm"):
         return {"all": "raydirect.vllm (the connector) is not in this raydirect"}
     why = {}
     nixl = None if ctx.config.wants(GROUP_NIXL) else NOT_ASKED

@@ -43,7 +43,6 @@ benchmarks/bench.py --workloads 9``.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 import statistics
@@ -58,7 +57,13 @@ import torch
 from rdbench.common import SETUP_TIMEOUT_S, TRANSFER_TIMEOUT_S, Row, describe_error, log
 from rdbench.fleet import Context
 from rdbench.report import TargetLine, render_targets
-from rdbench.vllm_shared import DELTA, MAX_MODEL_LEN
+from rdbench.vllm_shared import DELTA, MAX_MODEL_LEN, VLLM, installed
+
+# The engine's and trainers' side imports vLLM: importable only where vLLM is
+# installed (elsewhere the workload's rows say how to get it). The import is
+# one way: vllm_actors takes what both sides share from vllm_shared.
+if installed(VLLM):
+    from rdbench import vllm_actors
 from rdbench.vllm_stall import (
     Update,
     measure,
@@ -108,13 +113,11 @@ INSTALL = (
 
 
 def vllm_missing() -> str | None:
-    if importlib.util.find_spec("vllm") is None:
-        return INSTALL
-    return None
+    return None if installed(VLLM) else INSTALL
 
 
 def backend_missing() -> str | None:
-    if importlib.util.find_spec("raydirect.vllm") is None:
+    if not installed("raydirect.vllm"):
         return "raydirect.vllm (the backend) is not in this raydirect"
     return None
 
@@ -250,8 +253,6 @@ def vllm_update(ctx: Context) -> list[Row]:
         for row in rows:
             if row.system not in (NAIVE, FLOOR, FLOOR_COPY):
                 row.skipped = no_backend
-    from rdbench import vllm_actors
-
     with tempfile.TemporaryDirectory(prefix="rdbench-llama-") as where:
         model = _save_model(QUICK_LLAMA if quick else LLAMA, where)
         log(f"w9: a float32 Llama of {model.nbytes / (1 << 20):.0f} MiB in {where}")

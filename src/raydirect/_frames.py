@@ -240,7 +240,7 @@ class FramedLink(Link):
         flips in it (in live weights, say). After a failure each piece holds
         authenticated bytes where earlier frames landed and its old bytes elsewhere.
         The copy is of a buffer in cache: encrypted reads of 512 MiB went from 0.65x
-        of clear to 0.61x on loopback here (benchmarks/wire.py, docs/cluster.md)."""
+        of clear to 0.61x on loopback here (docs/cluster.md)."""
         pieces = [p for p in pieces if len(p)]
         room = sum(len(p) for p in pieces)
         plain = memoryview(self._plain)

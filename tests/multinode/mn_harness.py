@@ -23,8 +23,8 @@ Tear-down kills the processes ``ip netns pids`` lists (never by name), deletes
 the namespaces (the veth pair goes with them) and the temp dir; a run that
 crashed is cleaned up by the next one. Every command has a time limit.
 
-Used by ``tests/multinode`` and ``benchmarks/multinode.py``; stdlib only, and it
-never connects to Ray itself.
+Used by ``tests/multinode`` and ``benchmarks/rdbench/multinode.py`` (workloads 15
+and 16 of ``raydirect bench``); stdlib only, and it never connects to Ray itself.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""How long does one worker's resharding plan take for a 1T-parameter MoE, and how
-evenly do all workers' plans spread their reads over the trainer's ranks?
+"""Workload 12: how long does one worker's resharding plan take for a 1T-parameter
+MoE, and how evenly do all workers' plans spread their reads over the trainer's ranks?
 
 Plan only: no tensor memory, no byte moved. The layout is Kimi-K2-like (the
 constants below): 61 layers, the first dense, 384 routed experts and one shared
@@ -17,27 +17,32 @@ TP; attention q/kv projections ``Shard(0)``, o_proj ``Shard(1)``; embedding and
 lm_head ``Shard(0)`` (vocab parallel); norms, router and bias whole; the dense MLP
 and the shared expert TP-sharded like the experts, in every EP group.
 
-Printed: the layout's size; the source index (grouping and validating all ranks'
-boxes, once per source layout) and one worker's plan, medians of ``--repeats``
-runs; that worker's plan rows; and bytes per source rank summed over every
-worker's plan (max/mean), against the targets (plan <= 1 s, max/mean <= 1.1).
+Rows: the source index (grouping and validating all ranks' boxes, once per
+source layout), worker 0's plan, and every worker's targets built and planned
+(``--plan-workers`` of them, 128 in a full run), each timed in this process
+with no Ray; every plan is checked to move exactly its targets' bytes. The
+summary gives the layout, worker 0's plan rows and bytes per source rank summed
+over every worker's plan (max/mean), against the targets (plan <= 1 s,
+max/mean <= 1.1).
 
-    ./dev python benchmarks/plan_moe.py [--repeats 5] [--worker 0] [--workers 128]
+    ./dev raydirect bench --workloads 12 [--plan-workers 128] [--repeats 5]
 """
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
 import numpy as np
 
 from raydirect._boxes import Sources, Targets, Tensors, dtensor_boxes, pack
-from raydirect._plan import index_sources, plan
+from raydirect._plan import SourceIndex, index_sources, plan
+from rdbench.common import GROUP_RAYDIRECT, Row, describe_error, log
+from rdbench.fleet import Context
+from rdbench.report import TargetLine, render_targets
 
 LAYERS, DENSE_LAYERS = 61, 1
 HIDDEN, VOCAB = 7168, 163840
@@ -46,6 +51,7 @@ Q_LORA, KV_LORA, HEADS, QK_NOPE, QK_ROPE, V_HEAD = 1536, 512, 64, 128, 64, 128
 EP, FSDP, TP = 16, 16, 8  # trainer: EP x FSDP ranks; workers: EP x TP
 BF16, FP32 = 2, 4
 PLAN_SECONDS, BALANCE = 1.0, 1.1  # the targets
+WORKER = 0  # the worker whose plan is timed on its own
 T = TypeVar("T")
 
 
@@ -177,89 +183,116 @@ class Layout:
         )
 
 
-def timed(fn: Callable[[], T], repeats: int) -> tuple[float, T]:
-    """The median time of ``repeats`` calls, and the last result."""
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+INDEX = "source index (group + validate all ranks' boxes)"
+ONE_PLAN = f"worker {WORKER}'s plan"
+EVERY_PLAN = "every worker's targets built and planned"
+SPREAD = "bytes per source rank, max/mean"
+SPREAD_REPLICATED = "replicated tensors' bytes per owner, max/mean"
+
+
+def plan_moe(ctx: Context) -> list[Row]:
+    """Workload 12: the index and worker 0's plan ``repeats`` times after a cold
+    one, then every worker's plan once (the module's docstring). In this
+    process, no Ray: the planner is a pure module."""
+    cfg = ctx.config
+    workers = min(cfg.plan_workers, EP * TP)
+    point = f"{EP * FSDP} ranks -> {workers} workers"
+    rows = [Row(12, s, point, workers, 0, unit="us") for s in (INDEX, ONE_PLAN, EVERY_PLAN)]
+    if not cfg.wants(GROUP_RAYDIRECT):
+        return []
+    try:
+        _measure(rows, workers, cfg.repeats(0))
+    except Exception as exc:  # a planner that refuses the layout is a finding
+        for row in rows:
+            row.error = row.error or describe_error(exc)
+        log(f"w12: FAILED: {describe_error(exc)}")
+    return rows
+
+
+def _measure(rows: list[Row], workers: int, repeats: int) -> None:
+    """Fill the index's, one plan's and every plan's rows (``plan_moe``)."""
+    index_row, one_row, every_row = rows
+    started = time.perf_counter()
+    layout = Layout()
+    log(f"w12: {len(layout.kind):,} tensors laid out in {time.perf_counter() - started:.2f} s")
+    index = _timed(index_row, repeats, lambda: index_sources(layout.tensors, layout.sources))
+    if index.problems:
+        raise ValueError(f"the source boxes do not tile: {list(index.problems.items())[:3]}")
+    targets = layout.targets(WORKER)
+    one = _timed(one_row, repeats, lambda: plan(index, targets, WORKER))
+    one_row.note = f"{len(one):,} rows, {one.nbytes / 2**30:.2f} GiB from {len(one.ranks)} ranks"
+    # Twice, not ``repeats`` times: a pass is seconds, and the plans of one worker
+    # are timed on their own above; the second pass is the warm one.
+    per_rank, per_owner = _timed(every_row, 1, lambda: _every_plan(layout, index, workers))
+    every_row.measured[SPREAD] = _balance(per_rank)
+    every_row.measured[SPREAD_REPLICATED] = _balance(per_owner)
+    every_row.note = f"{per_rank.sum() / 2**40:.3f} TiB read"
+    log(f"w12 {EVERY_PLAN}: {SPREAD} {_balance(per_rank):.3f}")
+
+
+def _timed(row: Row, repeats: int, fn: Callable[[], T]) -> T:
+    """One cold call of ``fn`` and ``repeats`` timed ones into ``row``; the last result."""
+    for i in range(repeats + 1):
+        started = time.perf_counter()
         out = fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), out
+        seconds = time.perf_counter() - started
+        if i == 0:
+            row.cold_s = seconds
+        else:
+            row.times_s.append(seconds)
+    log(f"w12 {row.system}: median {row.median():.0f} us")
+    return out
 
 
-def balance(per_rank: np.ndarray) -> float:
+def _every_plan(layout: Layout, index: SourceIndex, workers: int) -> tuple[np.ndarray, np.ndarray]:
+    """Bytes per source rank over the first ``workers`` workers' plans, and the
+    same for the replicated tensors alone (whose reads the planner spreads over
+    their owners). Each plan must move exactly its targets' bytes, none twice."""
+    replicated = np.array([k.source == "replicate" for k in layout.kinds])[layout.kind]
+    per_rank, per_owner = np.zeros((2, EP * FSDP), np.int64)
+    for worker in range(workers):
+        wanted = layout.targets(worker)
+        p = plan(index, wanted, worker)
+        expected = int((wanted.shape.prod(1) * layout.tensors.itemsize[wanted.tensor]).sum())
+        if p.nbytes != expected:
+            raise ValueError(f"worker {worker}'s plan moves {p.nbytes} bytes, not {expected}")
+        per_rank += p.bytes_per_rank(EP * FSDP)
+        mine = replicated[p.dest]  # dest ids are tensor numbers here
+        counts = np.bincount(p.rank[mine], p.length[mine] * p.count[mine], EP * FSDP)
+        per_owner += counts.astype(np.int64)
+    return per_rank, per_owner
+
+
+def _balance(per_rank: np.ndarray) -> float:
     return float(per_rank.max() / per_rank.mean())
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=5, help="timed runs per median")
-    parser.add_argument("--worker", type=int, default=0, help="the worker whose plan is timed")
-    parser.add_argument(
-        "--workers", type=int, default=EP * TP, help="workers summed for the balance"
-    )
-    args = parser.parse_args()
-
-    t0 = time.perf_counter()
-    layout = Layout()
-    built = time.perf_counter() - t0
-    params = int(layout.tensors.global_shape.prod(1).sum())
-    print(
-        f"layout: {len(layout.kind):,} tensors, {params / 1e12:.3f}T parameters, "
-        f"{len(layout.sources.tensor):,} source pieces on {EP * FSDP} ranks "
-        f"(built in {built:.2f} s)"
-    )
-
-    repeats = max(1, args.repeats // 2)
-    index_s, index = timed(lambda: index_sources(layout.tensors, layout.sources), repeats)
-    assert not index.problems, list(index.problems.items())[:3]
-    print(
-        f"source index (group + validate, once per source layout): {index_s:.3f} s, "
-        f"median of {repeats}"
-    )
-
-    targets = layout.targets(args.worker)
-    plan_s, one = timed(lambda: plan(index, targets, args.worker), args.repeats)
-    print(
-        f"worker {args.worker}: {len(targets.tensor):,} target pieces, plan {plan_s * 1e3:.0f} ms "
-        f"(median of {args.repeats}), {len(one):,} rows, {one.nbytes / 2**30:.2f} GiB "
-        f"from {len(one.ranks)} ranks"
-    )
-
-    # Every worker's plan, summed per source rank; the replicated tensors apart.
-    replicated = np.array([k.source == "replicate" for k in layout.kinds])[layout.kind]
-    per_rank, per_owner = np.zeros((2, EP * FSDP), np.int64)
-    t0 = time.perf_counter()
-    for worker in range(args.workers):
-        wanted = layout.targets(worker)
-        p = plan(index, wanted, worker)
-        # Exactly the targets' bytes move, none twice: the plan's own check here.
-        assert p.nbytes == int(
-            (wanted.shape.prod(1) * layout.tensors.itemsize[wanted.tensor]).sum()
-        )
-        per_rank += p.bytes_per_rank(EP * FSDP)
-        mine = replicated[p.dest]  # dest ids are tensor numbers here
-        per_owner += np.bincount(p.rank[mine], p.length[mine] * p.count[mine], EP * FSDP).astype(
-            np.int64
-        )
-    spent = time.perf_counter() - t0
-    ratio = balance(per_rank)
-    print(
-        f"{args.workers} workers' targets built and planned in {spent:.1f} s: "
-        f"{per_rank.sum() / 2**40:.3f} TiB read, per source rank max/mean {ratio:.3f} "
-        f"(min {per_rank.min() / 2**30:.2f} GiB, max {per_rank.max() / 2**30:.2f} GiB)"
-    )
-    print(
-        f"replicated tensors ({int(replicated.sum())}, on all {EP * FSDP} ranks): "
-        f"{per_owner.sum() / 2**20:.1f} MiB read from {int((per_owner > 0).sum())} ranks, "
-        f"max/mean {balance(per_owner):.3f}"
-    )
-    print(
-        f"targets: plan <= {PLAN_SECONDS:g} s: {'met' if plan_s <= PLAN_SECONDS else 'MISSED'} "
-        f"({plan_s:.3f} s); max/mean <= {BALANCE:g}: {'met' if ratio <= BALANCE else 'MISSED'} "
-        f"({ratio:.3f})"
-    )
+def plan_targets(rows: Sequence[Row]) -> str:
+    """The two targets as this run measured them: worker 0's median plan time over
+    1 s (at most 1x) and bytes per source rank over every plan's, max/mean (at
+    most 1.1x; what FSDP2's uneven chunks leave is the layout's own)."""
+    lines = []
+    for row in rows:
+        if row.error is not None or row.skipped is not None:
+            continue
+        if row.system == ONE_PLAN and row.times_s:
+            seconds = statistics.median(row.times_s)
+            what = f"worker {WORKER}'s plan time / {PLAN_SECONDS:g} s"
+            lines.append(TargetLine(what, 1.0, True, row.param, seconds / PLAN_SECONDS, None))
+        if SPREAD in row.measured:
+            spread = row.measured[SPREAD]
+            lines.append(TargetLine(SPREAD, BALANCE, True, row.param, spread, None))
+    title = "Targets (no floor: the plan moves no byte):"
+    layout = f"Layout: {_describe()}."
+    table = render_targets(lines, title)
+    return f"{layout}\n\n{table}" if table else layout
 
 
-if __name__ == "__main__":
-    main()
+def _describe() -> str:
+    """The layout in one line, from the constants alone (no arrays built)."""
+    tensors = sum(k.count for k in kinds())
+    params = sum(k.count * int(np.prod(k.shape)) for k in kinds())
+    return (
+        f"{tensors:,} tensors, {params / 1e12:.3f}T parameters, {EP * FSDP} trainer ranks "
+        f"(EP {EP} x FSDP {FSDP}) to {EP * TP} workers (TP {TP} x EP {EP})"
+    )
