@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 
 import ray
 import torch
@@ -34,6 +35,9 @@ class Producer:
 
     def held(self) -> int:
         return rd.local_stats().num_objects
+
+    def pid(self) -> int:
+        return os.getpid()
 
     def own_call(self) -> list[ray.ObjectRef]:
         """Its rd.method called as a plain method (no handle, no decorator): the
@@ -195,3 +199,60 @@ def test_an_async_actors_calls_are_freed_when_it_drops_them(ray_session):
     wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed once the async caller dropped them")
     ray.kill(p)
     ray.kill(caller)
+
+
+@ray.remote
+class Taker:
+    def __init__(self) -> None:
+        self._gate = threading.Event()
+
+    def wait_gate(self, timeout: float) -> bool:
+        return self._gate.wait(timeout)
+
+    def open_gate(self) -> None:
+        self._gate.set()
+
+    def first(self, value: torch.Tensor, _gate: bool) -> float:
+        return float(value[0])
+
+
+def test_a_pending_tasks_argument_keeps_the_object(ray_session):
+    """The only ref is held by a task that cannot start yet: the caller's token
+    stays in scope with it."""
+    p, taker = Producer.remote(), Taker.options(max_concurrency=2).remote()
+    gate = taker.wait_gate.remote(60)
+    ref = p.value.remote(5)
+    result = taker.first.remote(ref, gate)
+    del ref
+    wait_for(lambda: ray.get(p.claimed.remote()) == 1, what="the object made on a token")
+    assert ray.get(p.held.remote()) == 1
+    ray.get(taker.open_gate.remote())
+    assert ray.get(result) == 5.0
+    wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed once the task ran")
+    ray.kill(p)
+    ray.kill(taker)
+
+
+def test_a_restarted_producer_takes_its_own_leases(ray_session):
+    """The pair was opened by the producer's first incarnation: the new one
+    refuses the caller's tokens and leases on its own, and frees all the same."""
+    p = Producer.options(max_restarts=1).remote()
+    first = p.value.remote(1)
+    assert float(rd.get(first)[0]) == 1.0
+    del first
+    os.kill(ray.get(p.pid.remote()), signal.SIGKILL)
+    wait_for(lambda: _answers(p), timeout=60, what="the producer restarted")
+    ref = p.value.remote(2)
+    assert float(rd.get(ref)[0]) == 2.0
+    assert ray.get(p.claimed.remote()) == 0
+    del ref
+    wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed by the producer's own lease")
+    ray.kill(p)
+
+
+def _answers(actor) -> bool:
+    try:
+        ray.get(actor.held.remote(), timeout=5)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return False
+    return True
