@@ -256,3 +256,15 @@ def _answers(actor) -> bool:
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return False
     return True
+
+
+def test_an_actor_with_a_pending_calls_limit_keeps_every_place_for_its_caller(ray_session):
+    """No mint may take one of a ``max_pending_calls`` limit's places: calls up to
+    the limit are accepted, on the producer's own leases."""
+    p = Producer.options(max_pending_calls=1).remote()
+    ref = p.value.remote(6)
+    assert float(rd.get(ref)[0]) == 6.0
+    assert ray.get(p.claimed.remote()) == 0
+    del ref
+    wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed by the producer's own lease")
+    ray.kill(p)

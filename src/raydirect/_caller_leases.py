@@ -31,7 +31,9 @@ Per (caller, producer) pair:
 - Wherever there is no token (a call not made through a handle, a method with
   several returns, a pair this producer incarnation has not opened yet: a
   restarted actor, or a concurrent actor that runs the call before the mint),
-  the producer's own lease stands in.
+  the producer's own lease stands in; so too for every call to an actor with a
+  ``max_pending_calls`` limit, whose places a mint would take from the caller's
+  own calls until it runs.
 """
 
 from __future__ import annotations
@@ -161,6 +163,8 @@ class _Pair:
         self.freed: list[str] = []
         self.freed_since = 0.0
         self.failing_since: float | None = None  # frees the agent has not taken
+        self.minting = threading.Lock()
+        self.refused = False  # an actor with a max_pending_calls limit: no mints
 
     def agent_address(self) -> str | None:
         """The producer's agent; None while the opening mint has not run."""
@@ -217,9 +221,15 @@ class CallerLeases:
             pair = self._pairs.get(actor_id)
             if pair is None:
                 pair = self._pairs[actor_id] = _Pair()
+                # Under a limit a mint would take one of the caller's own calls' places.
+                pair.refused = _ray.max_pending_calls(handle) >= 0
             freed, pair.freed = pair.freed, []
-            if len(pair.tokens) < _REFILL_BELOW:  # one opening per pair: under the lock
-                self._mint(pair, handle)
+        if len(pair.tokens) < _REFILL_BELOW and not pair.refused:
+            # One opening per pair; not under ``_lock``, which Ray's callbacks take
+            # (``_freed``) while a submission might wait on Ray's threads.
+            with pair.minting:
+                if len(pair.tokens) < _REFILL_BELOW:
+                    self._mint(pair, handle)
         try:
             token = pair.tokens.popleft()
         except IndexError:  # the mint was refused: the producer's lease stands in
@@ -236,6 +246,7 @@ class CallerLeases:
         try:
             refs = _ray.mint_refs_on(handle, _mint, pair.key, _MINTED, opening, n=_MINTED + opening)
         except ray.exceptions.PendingCallsLimitExceeded:
+            pair.refused = True
             return
         if opening:
             pair.opening.append(refs.pop())

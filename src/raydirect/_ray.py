@@ -242,6 +242,18 @@ def mint_refs_on(
     return list(refs)
 
 
+def max_pending_calls(handle: ray.actor.ActorHandle) -> int:
+    """The actor's ``max_pending_calls`` limit on this process's calls (-1: none),
+    read from the handle Ray serializes: Ray keeps it only on its C++ side."""
+    from ray._private.worker import global_worker
+    from ray.core.generated import core_worker_pb2
+
+    state = global_worker.core_worker.serialize_actor_handle(handle._actor_id)  # type: ignore[attr-defined]
+    proto = core_worker_pb2.ActorHandle()  # type: ignore[attr-defined]
+    proto.ParseFromString(state[0])
+    return int(proto.max_pending_calls)
+
+
 def set_invocation_decorator(
     method: Any, decorator: Callable[[Callable[..., Any]], Callable[..., Any]]
 ) -> None:
