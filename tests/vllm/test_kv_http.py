@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import requests
-from vllm_harness import TINY_LLAMA, prompt
+from vllm_harness import TINY_LLAMA, prompt, save_tokenizer, words
 from vllm_servers import ApiServer, api_servers, group_members
 
 from raydirect import _status
@@ -57,6 +57,7 @@ def servers(
     """P and D on the same weights, started together, each computing on a core of
     its own; P in dev mode (``/reset_prefix_cache``)."""
     logs = tmp_path_factory.mktemp("pd-servers")
+    save_tokenizer(tiny_llama[0])  # for the chat API; token ids work as well
     common = ("--block-size", str(BLOCK))
     p = ApiServer(
         tiny_llama[0],
@@ -65,6 +66,7 @@ def servers(
         "--kv-transfer-config",
         _kv_config(kv_lease_duration=LEASE_S),
         env={"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_SERVER_DEV_MODE": "1"},
+        tokenizer=True,
     )
     d = ApiServer(
         tiny_llama[0],
@@ -73,6 +75,7 @@ def servers(
         "--kv-transfer-config",
         _kv_config(),
         env={"VLLM_CPU_OMP_THREADS_BIND": "1"},
+        tokenizer=True,
     )
     with api_servers(p, d):
         yield {"p": p, "d": d}
@@ -164,6 +167,24 @@ def test_decode_through_the_proxy_equals_a_single_engine(
     assert _delta(after_bytes, nbytes) == {"cma": -(-length // BLOCK) * BLOCK_BYTES}
     assert got == _alone(servers, ids)
     wait_for(lambda: _all_free(servers["p"]), timeout=10.0, what="P frees the blocks")
+
+
+def test_a_chat_through_the_proxy_equals_a_single_engine(
+    servers: dict[str, ApiServer], proxy: str
+) -> None:
+    """``/v1/chat/completions``: P prefills the templated conversation and D, having
+    read its KV in one ``cma`` read, answers what P alone answers."""
+    messages = [{"role": "user", "content": words(prompt(60, seed=960))}]
+    body = {"model": _model(proxy), "messages": messages, "max_tokens": NEW_TOKENS,
+            "temperature": 0.0, "ignore_eos": True}  # fmt: skip
+    reads, _ = _received(servers["d"])
+    through = requests.post(f"{proxy}/v1/chat/completions", json=body, timeout=CALL_S)
+    assert through.ok, through.text
+    assert _delta(_received(servers["d"])[0], reads) == {"cma": 1}
+    alone = requests.post(f"{servers['p'].url}/v1/chat/completions", json=body, timeout=CALL_S)
+    assert alone.ok, alone.text
+    said = [r.json()["choices"][0]["message"]["content"] for r in (through, alone)]
+    assert said[0] == said[1] and len(said[0].split()) == NEW_TOKENS, said
 
 
 def test_a_stream_through_the_proxy(servers: dict[str, ApiServer], proxy: str) -> None:

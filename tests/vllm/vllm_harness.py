@@ -76,6 +76,32 @@ def save_llama(path: Path, seed: int = 0, **overrides: Any) -> dict[str, torch.T
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
+def save_tokenizer(path: Path) -> None:
+    """Write a word-level tokenizer of the tiny vocabulary to ``path``: token ``i``
+    is the word ``w<i>`` (0-2: unknown, BOS, EOS), and a chat template that joins
+    the messages' contents. For the tests that need text in and out (the chat
+    API); the others skip the tokenizer and send token ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    vocab.update({f"w{i}": i for i in range(3, TINY_LLAMA["vocab_size"])})
+    words = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.decoder = decoders.WordPiece()  # the words, joined by spaces
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=words, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    tokenizer.save_pretrained(path)
+
+
+def words(token_ids: list[int]) -> str:
+    """``token_ids`` as the text ``save_tokenizer``'s tokenizer reads back as them
+    (the ids 0-2 of its special tokens as 3)."""
+    return " ".join(f"w{max(i, 3)}" for i in token_ids)
+
+
 def hf_prompt_logprobs(
     state: dict[str, torch.Tensor], token_ids: list[int], **overrides: Any
 ) -> list[float]:

@@ -42,12 +42,18 @@ def group_members(pgid: int) -> list[int]:
 
 
 class ApiServer:
-    """One server on ``model`` (float32, no tokenizer, eager), started at once;
-    ``wait_ready`` waits for its ``/health``, ``stop`` ends its process group.
-    ``args`` are more command-line options, ``env`` more variables."""
+    """One server on ``model`` (float32, eager), started at once; ``wait_ready``
+    waits for its ``/health``, ``stop`` ends its process group. ``args`` are more
+    command-line options, ``env`` more variables; ``tokenizer``: load the one in
+    ``model`` (``vllm_harness.save_tokenizer``), else none (token ids only)."""
 
     def __init__(
-        self, model: Path, log: Path, *args: str, env: dict[str, str] | None = None
+        self,
+        model: Path,
+        log: Path,
+        *args: str,
+        env: dict[str, str] | None = None,
+        tokenizer: bool = False,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -59,10 +65,12 @@ class ApiServer:
         full_env.update(RAY_ADDRESS=context.gcs_address, RAY_NAMESPACE=context.namespace)
         command = [
             sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--dtype", "float32", "--skip-tokenizer-init",
+            "--model", str(model), "--dtype", "float32",
             "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--port", str(self.port),
             "--host", "127.0.0.1", *args,
         ]  # fmt: skip
+        if not tokenizer:
+            command.append("--skip-tokenizer-init")
         with open(log, "wb") as out:
             self.proc = subprocess.Popen(
                 command,
