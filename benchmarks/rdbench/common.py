@@ -363,15 +363,15 @@ def describe_error(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {first_line(str(exc))}"
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, most: int = MAX_SIZE_BYTES) -> int:
     match = re.fullmatch(r"\s*(\d+)\s*([KMG]iB|B)?\s*", text, flags=re.IGNORECASE)
     if not match:
         raise argparse.ArgumentTypeError(f"bad size {text!r}: write e.g. 1MiB, 64MiB, 4096")
     nbytes = int(match.group(1)) * _SIZE_UNITS[(match.group(2) or "").lower()]
-    if nbytes <= 0 or nbytes % ELEMENT_BYTES or nbytes > MAX_SIZE_BYTES:
+    if nbytes <= 0 or nbytes % ELEMENT_BYTES or nbytes > most:
         raise argparse.ArgumentTypeError(
             f"size {text!r} must be a positive multiple of {ELEMENT_BYTES} bytes, "
-            f"at most {format_size(MAX_SIZE_BYTES)}"
+            f"at most {format_size(most)}"
         )
     return nbytes
 

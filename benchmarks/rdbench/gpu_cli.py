@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import re
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -20,7 +19,7 @@ from typing import Any
 import ray
 import torch
 
-from rdbench.common import ELEMENT_BYTES, GIB, KIB, MIB, Row, Workload, format_size, log
+from rdbench.common import GIB, MIB, Row, Workload, format_size, log, parse_size
 from rdbench.gpu_actors import GPU_SHARE
 from rdbench.gpu_rows import BASELINES, Bench
 from rdbench.report import machine_facts, order_rows, render_report, report_json
@@ -61,19 +60,6 @@ WORKLOADS = {
 }
 
 
-def parse_size(text: str) -> int:
-    match = re.fullmatch(r"\s*(\d+)\s*([KMG]iB|B)?\s*", text, flags=re.IGNORECASE)
-    units = {"": 1, "b": 1, "kib": KIB, "mib": MIB, "gib": GIB}
-    if not match:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: write e.g. 1MiB, 256MiB, 4GiB")
-    nbytes = int(match.group(1)) * units[(match.group(2) or "").lower()]
-    if nbytes <= 0 or nbytes % ELEMENT_BYTES or nbytes > MAX_BYTES:
-        raise argparse.ArgumentTypeError(
-            f"size {text!r} must be a positive multiple of {ELEMENT_BYTES} bytes, at most 4GiB"
-        )
-    return nbytes
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="benchmarks/gpu.py", description=DESCRIPTION)
     add = parser.add_argument
@@ -88,8 +74,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add("--skip-if-no-gpu", action="store_true", help="exit 0 instead of 2 without a GPU")
     args = parser.parse_args(argv)
     try:
-        args.size_list = [parse_size(s) for s in args.sizes.split(",") if s.strip()]
-        args.state_bytes = parse_size(args.state_size)
+        args.size_list = [parse_size(s, MAX_BYTES) for s in args.sizes.split(",") if s.strip()]
+        args.state_bytes = parse_size(args.state_size, MAX_BYTES)
     except argparse.ArgumentTypeError as exc:
         parser.error(str(exc))
     if args.state_bytes < MIB:

@@ -132,12 +132,20 @@ class Bench:
         rows = [Row(w, system, param, nbytes, nbytes) for w in (1, 2)]
         return run_rows(rows, self.repeats, operation, self.seed_iter)
 
-    def rdt_transfer(self, system: str, nbytes: int, call: Callable[[], Any]) -> list[Row]:
-        """Ray's RDT: its ref goes to the consumer as a direct task argument, the
-        one way RDT supports, so only workload 1 (end to end) is timed: Ray moves
-        the tensor before the consumer's method runs."""
+    def rdt_transfer(self, system: str, transport: str, nbytes: int) -> list[Row]:
+        """Ray's RDT over ``transport`` (skipped where it cannot run): its ref goes
+        to the consumer as a direct task argument, the one way RDT supports, so
+        only workload 1 (end to end) is timed: Ray moves the tensor before the
+        consumer's method runs."""
         param = format_size(nbytes)
+        missing = rdt_missing(transport)
+        if missing:
+            return [r for w in (1, 2) for r in skipped(w, system, param, nbytes, missing)]
         sink = self.rdt_sink
+        method = self.rdt.one.options(tensor_transport=transport)
+
+        def call() -> Any:
+            return method.remote("x")
 
         def operation(seed: int) -> tuple[float]:
             ray.get(self.rdt.prepare.remote(seed), timeout=TIMEOUT_S)
@@ -154,7 +162,6 @@ class Bench:
         return rows + [Row(2, system, param, nbytes, nbytes, skipped=why)]
 
     def sizes(self, nbytes: int) -> list[Row]:
-        param = format_size(nbytes)
         self.allocate({"x": (nbytes // ELEMENT_BYTES,)})
         rows = []
         for system, method in ((RD_CUDA_IPC, "one_cuda_ipc"), (RD_AUTO, "one_auto")):
@@ -170,12 +177,7 @@ class Bench:
             self.rd_sink,
             "object store",
         )
-        missing = rdt_missing("cuda_ipc")
-        if missing:
-            rows += [r for w in (1, 2) for r in skipped(w, RDT_CUDA_IPC, param, nbytes, missing)]
-        else:
-            call = self.rdt.one.options(tensor_transport="cuda_ipc")
-            rows += self.rdt_transfer(RDT_CUDA_IPC, nbytes, lambda: call.remote("x"))
+        rows += self.rdt_transfer(RDT_CUDA_IPC, "cuda_ipc", nbytes)
         return rows + floor(nbytes, self.repeats, self.seed_iter)
 
     def nixl_sizes(self, nbytes: int) -> list[Row]:
@@ -196,13 +198,7 @@ class Bench:
                 self.rd_sink,
                 "rd.get",
             )
-        missing = rdt_missing("nixl")
-        if missing:
-            rows += [r for w in (1, 2) for r in skipped(w, RDT_NIXL, param, nbytes, missing)]
-        else:
-            call = self.rdt.one.options(tensor_transport="nixl")
-            rows += self.rdt_transfer(RDT_NIXL, nbytes, lambda: call.remote("x"))
-        return rows
+        return rows + self.rdt_transfer(RDT_NIXL, "nixl", nbytes)
 
     # -- workload 3
     def weight_sync(self, state_bytes: int) -> list[Row]:
