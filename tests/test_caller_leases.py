@@ -242,11 +242,7 @@ def test_a_restarted_producer_takes_its_own_leases(ray_session):
     del first
     os.kill(ray.get(p.pid.remote()), signal.SIGKILL)
     wait_for(lambda: _answers(p), timeout=60, what="the producer restarted")
-    ref = p.value.remote(2)
-    assert float(rd.get(ref)[0]) == 2.0
-    assert ray.get(p.claimed.remote()) == 0
-    del ref
-    wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed by the producer's own lease")
+    _on_the_producers_own_lease(p, 2)
     ray.kill(p)
 
 
@@ -262,9 +258,15 @@ def test_an_actor_with_a_pending_calls_limit_keeps_every_place_for_its_caller(ra
     """No mint may take one of a ``max_pending_calls`` limit's places: calls up to
     the limit are accepted, on the producer's own leases."""
     p = Producer.options(max_pending_calls=1).remote()
-    ref = p.value.remote(6)
-    assert float(rd.get(ref)[0]) == 6.0
+    _on_the_producers_own_lease(p, 6)
+    ray.kill(p)
+
+
+def _on_the_producers_own_lease(p, n: int) -> None:
+    """``p.value(n)`` read through a handle, made on no token of the caller's, and
+    freed (by the producer's own lease) once dropped."""
+    ref = p.value.remote(n)
+    assert float(rd.get(ref)[0]) == float(n)
     assert ray.get(p.claimed.remote()) == 0
     del ref
     wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed by the producer's own lease")
-    ray.kill(p)

@@ -226,9 +226,9 @@ def mint_own_refs(handle: ray.actor.ActorHandle, n: int) -> list[ray.ObjectRef]:
     raylet pin, unlike ``ray.put``. Blocks until the task has run, which a busy
     single-threaded actor delays; raises what ``.remote()`` raises (a
     ``max_pending_calls`` limit reached)."""
-    refs: list[ray.ObjectRef] = handle.__ray_call__.options(num_returns=n).remote(_none_each, n)
+    refs = mint_refs_on(handle, _none_each, n, n=n)
     ray.wait(refs, num_returns=n, fetch_local=False)
-    return list(refs)
+    return refs
 
 
 def mint_refs_on(

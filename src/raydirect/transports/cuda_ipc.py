@@ -145,10 +145,6 @@ class OpenedStorages:
             for key in [k for k in self._objects if k[0] == producer]:
                 del self._objects[key]
 
-    def clear(self) -> None:
-        with self._lock:
-            self._objects.clear()
-
     def counts(self) -> tuple[int, int]:
         """(objects, storages) open."""
         with self._lock:
@@ -286,8 +282,8 @@ class CudaIpcTransport(ByteTransport):
 
 def _forget_after_fork() -> None:
     # CUDA does not survive a fork; neither do the parent's opened storages.
-    opened._lock = threading.Lock()
-    opened._objects.clear()
+    global opened
+    opened = OpenedStorages(open_shared)
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
