@@ -159,3 +159,46 @@ class RegionReader:
 
     def stats(self) -> rd.LocalStats:
         return rd.local_stats()
+
+
+def _memory(field: str) -> int:
+    """This process's ``field`` of /proc/self/smaps_rollup, in bytes."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class LargeOwner:
+    """Exports a written buffer (a KV cache: every page resident) and a
+    never-written ``torch.empty`` one as one region, and says what its memory
+    did after: huge pages gained, resident bytes grown."""
+
+    def __init__(self, mib: int) -> None:
+        self.before = {f: _memory(f) for f in ("AnonHugePages", "Rss")}
+        n = mib << 20
+        self.written = torch.arange(n // 4, dtype=torch.int32)
+        self.unwritten = torch.empty(n, dtype=torch.uint8)
+        self.region = rd.export_region([self.written, self.unwritten], name="large")
+
+    def handle(self) -> rd.RegionHandle:
+        return self.region.handle()
+
+    def grown(self) -> dict[str, int]:
+        return {f: _memory(f) - was for f, was in self.before.items()}
+
+
+@ray.remote(num_cpus=0)
+def read_whole(handle: Any, nbytes: int, times: int) -> int:
+    """Read the first tensor of ``handle`` whole ``times`` times; the reads
+    that did not hold exactly ``arange``."""
+    want = torch.arange(nbytes // 4, dtype=torch.int32)
+    got = torch.zeros(nbytes // 4, dtype=torch.int32)
+    wrong = 0
+    for _ in range(times):
+        got.zero_()
+        rd.read_ranges(handle, [(0, 0, nbytes, 0, 0)], into=got, timeout=60)
+        wrong += int(not torch.equal(got, want))
+    return wrong

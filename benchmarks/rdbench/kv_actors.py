@@ -9,6 +9,7 @@ vLLM is installed (.venv-vllm: ``bash scripts/setup-vllm-venv.sh``).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -142,5 +143,12 @@ class KVEngine:
         """CPU seconds the engine core and worker processes have used."""
         return sum(_cpu_of(stat_fields(pid)) for pid in self._pids)
 
+    def pause(self, paused: bool) -> None:
+        """Stop (SIGSTOP) or continue the engine core and worker processes: NIXL's
+        pair is stopped while the other rows run (``kv_handoff``'s docstring)."""
+        for pid in self._pids:
+            os.kill(pid, signal.SIGSTOP if paused else signal.SIGCONT)
+
     def shutdown(self) -> None:
+        self.pause(False)
         self.llm.llm_engine.engine_core.shutdown()  # else its processes outlive the actor

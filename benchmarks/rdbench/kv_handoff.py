@@ -38,8 +38,14 @@ once NIXL's engines are gone): P's CPU (engine core and worker processes,
 after P finished a 512-token prompt for D and before D read it, with the
 threads that used 5% of a core or more.
 
-NIXL rows run only when asked for (``--groups nixl``: its progress thread spins
-for the engines' whole life, on both cores here) and need NIXL in the vLLM venv.
+NIXL rows run only when asked for (``--groups nixl``) and need NIXL in the vLLM
+venv. NixlConnector's progress thread spins for its engines' whole life (vLLM
+leaves NIXL's poll delay at 0), one thread per engine, and this machine has two
+cores: beside it every other row ran about twice as slow (docs/kv-transfer.md).
+So NIXL's two engines are stopped (SIGSTOP, both processes of each) while the
+other rows run, and continued 0.2 s before each of their own operations: each
+row pays for its own engines, as it would on a machine with cores to spare, and
+the NIXL rows still pay for their own spinning threads.
 Run it there: ``.venv-vllm/bin/python benchmarks/bench.py --workloads 11
 --groups raydirect,nixl``.
 """
@@ -92,7 +98,8 @@ KV_BYTES_PER_TOKEN = 16 * 8 * 64 * 2 * 4  # layers x heads x head dim x (K, V) x
 SIZES, QUICK_SIZES = (128, 512, 2048), (128, 512)
 HOLD_TOKENS = 512
 HOLD_SEED = 1 << 30  # apart from the rounds' seeds: no prefix hit
-ENGINE_START_TIMEOUT_S = 600.0  # six engines start at once on 2 shared cores
+ENGINE_START_TIMEOUT_S = 600.0
+RESUME_S = 0.2  # six engines start at once on 2 shared cores
 
 RD_HANDOFF = "RaydirectConnector hand-off"
 RD_TRANSFER = "RaydirectConnector transfer"
@@ -250,6 +257,8 @@ def _run(
     # cores, and a window on a busy machine measures the share P got, not its need.
     for system, p, d in ((NIXL_HANDOFF, "pn", "dn"), (RD_HANDOFF, "p", "d")):
         row = rows[(system, hold)]
+        if p == "pn" and p in engines:
+            _pause([engines["pn"], engines["dn"]], False)
         if p in engines and row.error is None and row.skipped is None:
             prompts = [_prompt(hold, HOLD_SEED + i) for i in range(samples)]
             measure_holding(engines[p], engines[d], row, prompts)
@@ -301,8 +310,27 @@ def _operations(engines: dict[str, Any], kv_actors: Any) -> dict[str, Operation]
     ops[EXAMPLE] = example
     if "dn" in engines:
         ray.get(engines["dn"].rpc.remote(kv_actors.nixl_reads), timeout=SETUP_TIMEOUT_S)  # records
-        ops[NIXL_HANDOFF] = nixl
+        ops[NIXL_HANDOFF] = _while_continued([engines["pn"], engines["dn"]], nixl)
+        _pause([engines["pn"], engines["dn"]], True)
     return ops
+
+
+def _pause(nixl: list[Any], paused: bool) -> None:
+    ray.get([e.pause.remote(paused) for e in nixl], timeout=SETUP_TIMEOUT_S)
+
+
+def _while_continued(nixl: list[Any], op: Operation) -> Operation:
+    """``op`` with NIXL's engines continued around it (the module's docstring)."""
+
+    def continued(ids: list[int]) -> dict[str, float]:
+        _pause(nixl, False)
+        time.sleep(RESUME_S)  # its threads are running again before the clock starts
+        try:
+            return op(ids)
+        finally:
+            _pause(nixl, True)
+
+    return continued
 
 
 def _floor() -> Operation:

@@ -1,0 +1,74 @@
+"""A region's memory moves onto huge pages (``_huge_pages``): what is written
+is collapsed in the background, what was never written stays unallocated, and
+reads stay exact while the kernel moves the pages under them.
+
+Real Ray, a real owner process and a real reader over ``cma``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import ray
+import region_actors
+import torch
+from ray import cloudpickle
+from region_actors import LargeOwner, read_whole
+
+from raydirect import _huge_pages
+
+from helpers import wait_for
+
+cloudpickle.register_pickle_by_value(region_actors)
+
+MIB = 32
+
+
+def _kernel_collapses() -> bool:
+    """Whether this kernel has MADV_COLLAPSE (6.1+, THP not ``never``)."""
+    probe = torch.ones(4 << 20, dtype=torch.uint8)
+    return _huge_pages.collapse(probe.data_ptr(), probe.numel()) > 0
+
+
+pytestmark = pytest.mark.skipif(
+    not _kernel_collapses(), reason="this kernel cannot collapse memory onto huge pages"
+)
+
+
+def test_written_memory_moves_onto_huge_pages_and_unwritten_memory_stays_unallocated(
+    ray_session,
+):
+    owner = LargeOwner.remote(MIB)
+    try:
+        handle = ray.get(owner.handle.remote())
+        # Reads while the collapse runs: the kernel moves pages under them.
+        wrong = read_whole.remote(handle, MIB << 20, 20)
+        grown = wait_for(
+            lambda: (g := ray.get(owner.grown.remote()))["AnonHugePages"] >= (MIB - 2) << 20 and g,
+            timeout=60,
+            what="the written half of the region on huge pages",
+        )
+        assert ray.get(wrong) == 0
+        assert ray.get(read_whole.remote(handle, MIB << 20, 2)) == 0
+        # The never-written half was not filled: about one buffer's worth resident, not two.
+        assert grown["Rss"] < (MIB + MIB // 2) << 20, grown
+    finally:
+        ray.kill(owner)
+
+
+def test_only_resident_huge_pieces_are_collapsed():
+    written = torch.ones(8 << 20, dtype=torch.uint8)
+    unwritten = torch.empty(8 << 20, dtype=torch.uint8)
+    unwritten[: 4 << 20] = 1  # at least one whole 2 MiB piece resident
+    assert _huge_pages.collapse(written.data_ptr(), written.numel()) >= 6 << 20
+    moved = _huge_pages.collapse(unwritten.data_ptr(), unwritten.numel())
+    assert 2 << 20 <= moved <= 4 << 20
+    assert _huge_pages.collapse(written.data_ptr(), 1 << 20) == 0  # no whole piece: nothing
+    assert _huge_pages.collapse(written.data_ptr(), written.numel(), lambda: False) == 0
+
+
+def test_memory_not_mapped_is_left_alone():
+    page = ctypes.c_char * 64
+    assert _huge_pages.collapse(ctypes.addressof(page()), 64) == 0
+    assert _huge_pages.collapse(1 << 46, 8 << 20) == 0  # nothing mapped there: mincore refuses
