@@ -8,6 +8,7 @@ vLLM is installed (.venv-vllm: ``bash scripts/setup-vllm-venv.sh``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -19,6 +20,7 @@ from vllm import LLM, SamplingParams
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
 from raydirect.vllm import kv_worker
+from rdbench.common import THP_ENV_VAR
 
 BENCHMARKS = str(Path(__file__).resolve().parents[1])  # rdbench's parent, for the workers
 KV_ENV = {
@@ -28,6 +30,7 @@ KV_ENV = {
     "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",  # collective_rpc with the functions below
 }
 MAX_MODEL_LEN = 4096
+VLLM_SEGMENTS = ("/dev/shm/psm_", "/dev/shm/vllm_")  # its message queues', its TP group's
 BLOCK_SIZE = 128  # vLLM's CPU backend's block size: one (layer, block) is one run
 
 
@@ -93,6 +96,9 @@ class KVEngine:
         env: dict[str, str] | None = None,
     ) -> None:
         os.environ.update(KV_ENV, VLLM_CPU_OMP_THREADS_BIND=core, **(env or {}))
+        # The engines' processes allocate as vLLM does by default (bench.py gives
+        # every worker PyTorch's huge-page allocator): a KV cache on 4 KiB pages.
+        os.environ.pop(THP_ENV_VAR, None)
         os.environ.setdefault("RAY_ADDRESS", ray.get_runtime_context().gcs_address)
         path = os.environ.get("PYTHONPATH", "")
         os.environ["PYTHONPATH"] = f"{BENCHMARKS}:{path}" if path else BENCHMARKS
@@ -139,6 +145,13 @@ class KVEngine:
                 rows.append((proc, f"{name}/{tid}", status["Cpus_allowed_list"].strip(), used))
         return rows
 
+    def huge_pages(self) -> int:
+        """Bytes of the worker's memory on transparent huge pages (a RaydirectConnector
+        engine's KV cache once its region is collapsed: ``raydirect._huge_pages``)."""
+        with open(f"/proc/{self._pids[0]}/smaps_rollup") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["AnonHugePages"].split()[0]) * 1024
+
     def cpu_seconds(self) -> float:
         """CPU seconds the engine core and worker processes have used."""
         return sum(_cpu_of(stat_fields(pid)) for pid in self._pids)
@@ -151,4 +164,20 @@ class KVEngine:
 
     def shutdown(self) -> None:
         self.pause(False)
-        self.llm.llm_engine.engine_core.shutdown()  # else its processes outlive the actor
+        segments = _shared_memory_of(self._pids)
+        self.llm.llm_engine.engine_core.shutdown()
+        # vLLM leaves some of its message queues' segments behind (a stopped
+        # worker never unlinks its own): 160 MiB files, a few per run, before.
+        for name in segments:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(name)
+
+
+def _shared_memory_of(pids: tuple[int, ...]) -> set[str]:
+    """vLLM's /dev/shm files that the processes ``pids`` map."""
+    names: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
+            paths = {line.split(None, 5)[-1].strip() for line in maps if "/dev/shm/" in line}
+        names.update(p for p in paths if p.startswith(VLLM_SEGMENTS) and "(deleted)" not in p)
+    return names  # else its processes outlive the actor

@@ -39,7 +39,8 @@ def main_threads(engines: dict[str, Any], names: dict[str, str]) -> dict[str, st
             f"{k}: {len(v)} ({', '.join(sorted(set(v), key=lambda x: (x != 'main', x))[:4])})"
             for k, v in sorted(where.items())
         )
-        log(f"w11   {names[key]:<12} {cells}")
+        huge = ray.get(engine.huge_pages.remote(), timeout=SETUP_TIMEOUT_S) >> 20
+        log(f"w11   {names[key]:<12} {cells}; worker's huge pages: {huge} MiB")
     return mains
 
 

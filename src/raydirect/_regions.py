@@ -30,6 +30,7 @@ no polling.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +54,9 @@ from raydirect.transports.registry import AUTO, check_name, registration, transp
 # What readers may name: one-sided byte transports (the agent serves or the
 # reader reads alone) and one-sided plug-ins; not the groups' two-sided sends.
 _READ_BY = frozenset({AUTO, "cma", "shm", "tcp"})
+_SLOW_COLLAPSE_S = 1.0  # a move onto huge pages this long is logged
+
+log = logging.getLogger("raydirect")
 
 
 class Region:
@@ -166,6 +170,7 @@ def export_region(
     name: str | None = None,
     tensor_transport: str = AUTO,
     on_notice: Callable[[Any], None] | None = None,
+    huge_pages: bool = True,
 ) -> Region:
     """Export ``tensors`` (a dict of tensors, a list or tuple of them, or one) as
     a region that any process holding its handle reads in ranges, straight from
@@ -179,7 +184,11 @@ def export_region(
     one-sided transport (``cma``, ``shm``, ``tcp``), or a one-sided plug-in.
     ``on_notice(message)``: called for each reader's notice, on a thread of
     raydirect's, in arrival order (keep it short); without it, notices wait in
-    ``Region.notices()``."""
+    ``Region.notices()``.
+    ``huge_pages``: move the tensors' memory onto transparent huge pages before
+    returning (where the kernel can: Linux 6.1+), which makes every ``cma`` read
+    of them about 2.5x faster; it takes 0.03-2.3 ms per MiB, once. Only memory
+    already written is moved. ``False`` leaves the memory as it is."""
     check_usable_here()
     _ray.ensure_ray()
     names, originals, views = _tensors_of(tensors)
@@ -190,6 +199,8 @@ def export_region(
         raise TypeError(f"name must be a string, got {type(name).__name__}")
     agent = _runtime.agent()
     obj = _stored(originals, views, name, transport)
+    if huge_pages:
+        _onto_huge_pages(views, list(obj.metas.nbytes), obj.label)
     slot, address = seals.take(cma.seal_value(obj.obj_id, obj.capability))
     cross = transport_instance("cma")  # its addresses, and the seal below
     meta = cross.extract_tensor_transport_metadata(obj.obj_id, obj.buffers).extra  # type: ignore[arg-type]
@@ -216,12 +227,23 @@ def export_region(
     state = OpenRegion(obj, slot, on_notice)
     served.add(state)
     store.add_region(obj)
-    live = obj.live
-    assert live is not None
-    # Read many times while it lives: worth huge pages for cma readers (_huge_pages).
-    spans = [(v.data_ptr(), n) for v, n in zip(views, obj.metas.nbytes, strict=True)]
-    _huge_pages.collapse_later(spans, lambda: not live.closed)
     return Region(state, handle)
+
+
+def _onto_huge_pages(views: list[torch.Tensor], lengths: list[int], label: str) -> None:
+    """A region is read many times while it lives: its memory on huge pages
+    reads 2.5x faster over ``cma`` (``_huge_pages``)."""
+    started = time.monotonic()
+    moved = sum(_huge_pages.collapse(v.data_ptr(), n) for v, n in zip(views, lengths, strict=True))
+    took = time.monotonic() - started
+    if took >= _SLOW_COLLAPSE_S:
+        log.info(
+            "raydirect: region %r: %d MiB moved onto huge pages in %.1fs (faster reads for its "
+            "life); export_region(huge_pages=False) skips this",
+            label,
+            moved >> 20,
+            took,
+        )
 
 
 def _tensors_of(tensors: Any) -> tuple[tuple[str, ...] | None, list[Any], list[torch.Tensor]]:
