@@ -41,6 +41,8 @@ CHOICE_SEED = 40  # the blocks each read takes (fixed: every system reads the sa
 
 # The operations a reader times, by name (workload 10's systems map onto them).
 REGION_AUTO, REGION_SHM, REGION_TCP = "region", "region_shm", "region_tcp"
+REGION_4K = "region_4k"  # the same read from the copy on 4 KiB pages
+_FORCED = {REGION_AUTO: None, REGION_4K: None, REGION_SHM: "shm", REGION_TCP: "tcp"}
 OBJECT_RD, OBJECT_STORE = "object_rd", "object_store"
 NIXL, FLOOR = "nixl", "floor"
 
@@ -77,14 +79,27 @@ def _nixl_agent(role: str) -> Any:
 class RegionOwner:
     def __init__(self) -> None:
         self.layers = [torch.empty(BLOCKS * BLOCK_ELEMS, dtype=DTYPE) for _ in range(LAYERS)]
-        for k, layer in enumerate(self.layers):
+        # The same cache on 4 KiB pages: numpy's memory (glibc's), not PyTorch's
+        # huge-page allocator's, exported as it is (huge_pages=False).
+        elements = BLOCKS * BLOCK_ELEMS
+        self.small = [torch.from_numpy(np.empty(elements, np.int32)) for _ in self.layers]
+        for k, (layer, small) in enumerate(zip(self.layers, self.small, strict=True)):
             fill_pattern(layer, part_seed(0, k))  # every page touched before any read
+            fill_pattern(small, part_seed(0, k))
         self.region = rd.export_region(self.layers, name="bench-kv")
+        self.small_region = rd.export_region(self.small, name="bench-kv-4k", huge_pages=False)
         self.objects: dict[int, torch.Tensor] = {}
         self.nixl: Any = None
 
-    def handle(self) -> rd.RegionHandle:
-        return self.region.handle()
+    def handles(self) -> tuple[rd.RegionHandle, rd.RegionHandle]:
+        """The region's handle, and the one of its copy on 4 KiB pages."""
+        return self.region.handle(), self.small_region.handle()
+
+    def huge_pages(self) -> int:
+        """Bytes of this process's memory on huge pages."""
+        with open("/proc/self/smaps_rollup") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+        return int(fields["AnonHugePages"].split()[0]) * 1024
 
     def allocate(self, nbytes: int) -> None:
         self.objects[nbytes] = torch.empty(nbytes // ELEMENT_BYTES, dtype=DTYPE)
@@ -92,8 +107,9 @@ class RegionOwner:
 
     def prepare(self, seed: int) -> int:
         """Write every layer, and every object's tensor, with ``seed`` (untimed)."""
-        for k, layer in enumerate(self.layers):
+        for k, (layer, small) in enumerate(zip(self.layers, self.small, strict=True)):
             fill_pattern(layer, part_seed(seed, k))
+            fill_pattern(small, part_seed(seed, k))
         for tensor in self.objects.values():
             rd.wait_tensor_freed(tensor, timeout=FREE_TIMEOUT_S)
             fill_pattern(tensor, seed)
@@ -116,22 +132,23 @@ class RegionOwner:
 
     def close(self) -> None:
         self.region.close()
+        self.small_region.close()
 
 
 @ray.remote(num_cpus=ACTOR_NUM_CPUS)
 class RegionReader:
     def __init__(self) -> None:
         torch.set_num_threads(1)  # as Ray workers run: the floor copies on one thread
-        self.handle: Any = None
+        self.handles: Any = None
         self.reads: dict[int, tuple[np.ndarray, np.ndarray, list[torch.Tensor]]] = {}
         self.nixl: Any = None
         self.nixl_reads: dict[int, Any] = {}
         self.source = [torch.empty(BLOCKS * BLOCK_ELEMS, dtype=DTYPE) for _ in range(LAYERS)]
 
-    def setup(self, handle: Any, owner: Any, nbytes: int) -> int:
+    def setup(self, handles: Any, owner: Any, nbytes: int) -> int:
         """The destination blocks and rows of a read of ``nbytes``; returns the
         rows left once the ones that touch on both sides are merged."""
-        self.handle, self.owner = handle, owner
+        self.handles, self.owner = handles, owner
         ids = blocks_for(nbytes)
         dests = [torch.zeros(ids.shape[1] * BLOCK_ELEMS, dtype=DTYPE) for _ in range(LAYERS)]
         rows = rows_for(ids)
@@ -179,10 +196,10 @@ class RegionReader:
     def _run(
         self, operation: str, nbytes: int, ids: np.ndarray, rows: np.ndarray, dests: list
     ) -> torch.Tensor | None:
-        if operation in (REGION_AUTO, REGION_SHM, REGION_TCP):
-            forced = {REGION_AUTO: None, REGION_SHM: "shm", REGION_TCP: "tcp"}[operation]
+        if operation in _FORCED:
+            handle, forced = self.handles[operation == REGION_4K], _FORCED[operation]
             rd.read_ranges(
-                self.handle, rows, into=dests, timeout=TRANSFER_TIMEOUT_S, tensor_transport=forced
+                handle, rows, into=dests, timeout=TRANSFER_TIMEOUT_S, tensor_transport=forced
             )
             return None
         if operation == OBJECT_RD:

@@ -4,7 +4,9 @@ The question (issue 40): what does reading a decode request's KV blocks out of
 another process's paged cache cost, next to one in-process copy of the same
 bytes, next to NIXL reading the same bytes between the same two processes, and
 next to moving the same amount as an object? An owner exports its cache once
-(``rd.export_region``: 4 layers of 1,024 blocks of 8 KiB); a reader reads a
+(``rd.export_region``: 4 layers of 1,024 blocks of 8 KiB; and a copy of it on
+4 KiB pages, exported with ``huge_pages=False``, for what the owner's huge
+pages give a cross-memory read); a reader reads a
 fixed random choice of blocks of every layer into its own blocks: 1 MiB is 128
 runs of 8 KiB, 16 MiB is 2,048. Each operation is timed inside the reader (a
 region read needs no Ray call, so one around it would be most of what a 1 MiB
@@ -37,6 +39,7 @@ from rdbench.region_actors import (
     FLOOR,
     NIXL,
     OBJECT_RD,
+    REGION_4K,
     REGION_AUTO,
     REGION_SHM,
     REGION_TCP,
@@ -46,6 +49,7 @@ from rdbench.region_actors import (
 from rdbench.region_actors import OBJECT_STORE as OBJECT_STORE_OP
 
 REGION_READ = "raydirect region read (auto: cma)"
+REGION_READ_4K = "raydirect region read (auto: cma), owner on 4 KiB pages (huge_pages=False)"
 REGION_READ_SHM = "raydirect region read, shm"
 REGION_READ_TCP = "raydirect region read, tcp"
 OBJECT_READ = "raydirect rd.get of an equal object"
@@ -56,6 +60,7 @@ SIZES = (1 * MIB, 16 * MIB)
 # (system, group, the reader's operation), in the order of a round.
 SYSTEMS = (
     (REGION_READ, GROUP_RAYDIRECT, REGION_AUTO),
+    (REGION_READ_4K, GROUP_RAYDIRECT, REGION_4K),
     (REGION_READ_SHM, GROUP_RAYDIRECT, REGION_SHM),
     (REGION_READ_TCP, GROUP_RAYDIRECT, REGION_TCP),
     (OBJECT_READ, GROUP_RAYDIRECT, OBJECT_RD),
@@ -77,7 +82,9 @@ def region_reads(ctx: Context) -> list[Row]:
     cfg, rows = ctx.config, list[Row]()
     owner, reader = RegionOwner.remote(), RegionReader.remote()
     try:
-        handle = ray.get(owner.handle.remote(), timeout=SETUP_TIMEOUT_S)
+        handle = ray.get(owner.handles.remote(), timeout=SETUP_TIMEOUT_S)
+        huge = ray.get(owner.huge_pages.remote(), timeout=SETUP_TIMEOUT_S)
+        log(f"w10: the owner's memory on huge pages: {huge >> 20} MiB (its region: 32 MiB)")
         for nbytes in SIZES:
             family = _family(ctx, nbytes)
             rows += family.values()
