@@ -46,16 +46,27 @@ def process_alive(pid: int, start_time: int) -> bool:
         return start_time_of(pid) == start_time
     if fd < 0:
         return False
-    poller = select.poll()
-    poller.register(fd, select.POLLIN)
-    if not poller.poll(0):
-        return True
-    with _pidfds_lock:
-        if _pidfds.get((pid, start_time)) == fd:
-            _pidfds[(pid, start_time)] = -1  # gone for good: remembered, fd closed
-            os.close(fd)
+    with _pidfds_lock:  # polled under the lock: no other thread closes it meanwhile
+        if _pidfds.get((pid, start_time)) != fd:  # let go (closed) since: ask /proc
+            return start_time_of(pid) == start_time
+        polled = _PollFd(fd, select.POLLIN, 0)
+        if _poll_holding_gil(ctypes.byref(polled), 1, 0) == 0:
+            return True
+        _pidfds[(pid, start_time)] = -1  # gone for good: remembered, fd closed
+        os.close(fd)
     return False
 
+
+class _PollFd(ctypes.Structure):
+    _fields_ = [("fd", ctypes.c_int), ("events", ctypes.c_short), ("revents", ctypes.c_short)]
+
+
+# poll(2) holding the GIL (a timeout of 0 never blocks): select.poll lets the GIL
+# go, and a reader beside a thread running Python then waits up to the switch
+# interval (5 ms) to have it back, on every same-node read (transports.cma).
+_poll_holding_gil = ctypes.PyDLL(None, use_errno=True).poll
+_poll_holding_gil.argtypes = [ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int]
+_poll_holding_gil.restype = ctypes.c_int
 
 _PIDFDS = 64  # processes watched at once; the least recently asked about are let go
 _pidfds: OrderedDict[tuple[int, int], int] = OrderedDict()  # -1: known dead

@@ -141,7 +141,7 @@ def _read(
     check_usable_here()
     region = RegionHandle.of(handle)
     dests = _destinations(into)
-    table = checked_rows(rows, region.nbytes, [d.numel() for d in dests])
+    table = checked_rows(rows, region.nbytes, [d.nbytes for d in dests])
     message = None if notify is None else _notice(notify)
     name = _checked_transport(forced, region)
     payload = _payload_of(region)
@@ -172,7 +172,7 @@ def _read_rows(
     payload: Payload,
     name: str,
     table: np.ndarray,
-    dests: list[torch.Tensor],
+    dests: list[_Landing],
     deadline: float | None,
     forced: str | None,
     gate: WriteGate | None,
@@ -181,7 +181,7 @@ def _read_rows(
     if own:
         _check_own(payload)
     plugin = not own and name not in _BYTE_TRANSPORTS and not transport_class(name).byte_transport
-    bases = np.fromiter((d.data_ptr() for d in dests), np.int64, len(dests))
+    bases = np.fromiter((d.address for d in dests), np.int64, len(dests))
     for start in range(0, len(table), _ROWS_PER_READ):
         ranges = _ranges(table[start : start + _ROWS_PER_READ], dests, bases)
         if plugin:
@@ -190,13 +190,13 @@ def _read_rows(
             fetch_ranges(payload, ranges, deadline, forced, gate)
 
 
-def _ranges(table: np.ndarray, dests: list[torch.Tensor], bases: np.ndarray) -> Ranges:
-    """The rows as ``Ranges`` landing in ``dests`` (flat uint8 views)."""
+def _ranges(table: np.ndarray, dests: list[_Landing], bases: np.ndarray) -> Ranges:
+    """The rows as ``Ranges`` landing in ``dests``."""
     tensor, offset, length, dest, at = (table[:, i].copy() for i in range(5))
 
     def view(i: int) -> torch.Tensor:
         start = int(at[i])
-        return dests[int(dest[i])][start : start + int(length[i])]
+        return dests[int(dest[i])].flat()[start : start + int(length[i])]
 
     landing = ByteViews(bases[dest] + at, length, view)
     ones = np.ones(len(table), np.int64)
@@ -300,15 +300,35 @@ def _notice(message: Any) -> Any:
     return message
 
 
-def _destinations(into: Any) -> list[torch.Tensor]:
-    """Each destination as a flat uint8 tensor over its memory, checked."""
+class _Landing:
+    """A destination: where its bytes are, and its flat uint8 view, made only
+    where a transport asks for views (``shm``, ``tcp``, plug-ins). A ``cma`` read
+    needs addresses alone, and torch's view methods let the GIL go (a wait of
+    up to 5 ms each beside a thread running Python, ``transports.cma``)."""
+
+    __slots__ = ("_flat", "address", "nbytes", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, flat: bool) -> None:
+        self.tensor = tensor
+        self.address = tensor.data_ptr()
+        self.nbytes = tensor.numel() * tensor.dtype.itemsize
+        self._flat = tensor if flat else None
+
+    def flat(self) -> torch.Tensor:
+        if self._flat is None:
+            self._flat = self.tensor.detach().reshape(-1).view(torch.uint8)
+        return self._flat
+
+
+def _destinations(into: Any) -> list[_Landing]:
+    """Each destination, checked."""
     given = list(into) if isinstance(into, (list, tuple)) else [into]
     if not given:
         raise ValueError("into= needs at least one destination")
     return [_destination(d, i) for i, d in enumerate(given)]
 
 
-def _destination(value: Any, i: int) -> torch.Tensor:
+def _destination(value: Any, i: int) -> _Landing:
     if (
         type(value) is torch.Tensor
         and value.dtype == torch.uint8
@@ -316,14 +336,14 @@ def _destination(value: Any, i: int) -> torch.Tensor:
         and value.device.type == "cpu"
         and value.is_contiguous()
     ):
-        return value  # already what a row lands in (a KV cache's storage): no view made
+        return _Landing(value, flat=True)  # what a row lands in (a KV cache's storage)
     if isinstance(value, (bytearray, memoryview)):
         view = memoryview(value)
         if view.readonly or not view.c_contiguous:
             raise ValueError(f"destination {i}: a buffer must be writable and contiguous")
         value = torch.frombuffer(view.cast("B"), dtype=torch.uint8) if view.nbytes else None
         if value is None:
-            return torch.empty(0, dtype=torch.uint8)
+            return _Landing(torch.empty(0, dtype=torch.uint8), flat=True)
     elif isinstance(value, np.ndarray):
         if not value.flags.writeable or not value.flags.c_contiguous or value.dtype.hasobject:
             raise ValueError(f"destination {i}: a numpy array must be writable and C-contiguous")
@@ -340,7 +360,7 @@ def _destination(value: Any, i: int) -> torch.Tensor:
         )
     if value.layout != torch.strided or value.is_quantized or not value.is_contiguous():
         raise ValueError(f"destination {i} is not contiguous: rows land at byte offsets in it")
-    return value.detach().reshape(-1).view(torch.uint8)
+    return _Landing(value, flat=False)
 
 
 def _async_pool() -> ThreadPoolExecutor:

@@ -19,6 +19,7 @@ import numpy as np
 
 COLUMNS = ("tensor", "offset", "length", "dest", "dest_offset")
 _INT64_MAX = np.iinfo(np.int64).max
+_SORTED_IN_PYTHON = 512  # rows; more are sorted by numpy, which lets the GIL go (_order)
 
 
 def checked_rows(rows: Any, sources: Sequence[int], dests: Sequence[int]) -> np.ndarray:
@@ -32,7 +33,7 @@ def checked_rows(rows: Any, sources: Sequence[int], dests: Sequence[int]) -> np.
         _check_bounds(table, src, dst)  # only now: which row, and why
     kept = np.flatnonzero(table[:, 2] > 0)
     if len(kept) < len(table):
-        table = table[kept]
+        table = _rows(table, kept)
     _check_no_overlap(table, kept)
     return _merged(table)
 
@@ -61,9 +62,27 @@ def _key(high: np.ndarray, low: np.ndarray) -> np.ndarray | None:
     return (high << 40) | low
 
 
-def _order(high: np.ndarray, low: np.ndarray) -> np.ndarray:
+def _order(high: np.ndarray, low: np.ndarray) -> np.ndarray | slice:
+    """Rows in (high, low) order: all of them (``slice(None)``) when they are
+    already, as a KV read's usually are. numpy's sorts (and its fancy indexing
+    of 2-D tables, ``_rows``) let the GIL go, and a reader beside a thread that
+    runs Python (a vLLM worker's loop) then waits up to the switch interval,
+    5 ms, to have it back: such a wait costs a read more than its bytes."""
     key = _key(high, low)
-    return np.lexsort((low, high)) if key is None else np.argsort(key, kind="stable")
+    if key is None:
+        return np.lexsort((low, high))
+    if len(key) < 2 or bool((key[1:] >= key[:-1]).all()):
+        return slice(None)
+    if len(key) <= _SORTED_IN_PYTHON:  # 5-40 us, holding the GIL
+        keys = key.tolist()
+        return np.array(sorted(range(len(keys)), key=keys.__getitem__), dtype=np.int64)
+    return np.argsort(key, kind="stable")
+
+
+def _rows(table: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``table[index]`` a column at a time: numpy's fancy indexing of a 2-D table
+    lets the GIL go (see ``_order``), of a column it does not."""
+    return np.stack([table[:, i][index] for i in range(table.shape[1])], 1)
 
 
 def _out_of_bounds(table: np.ndarray, sources: np.ndarray, dests: np.ndarray) -> bool:
@@ -109,11 +128,12 @@ def _check_no_overlap(table: np.ndarray, ids: np.ndarray) -> None:
     """Refuse rows writing the same destination bytes: reads run concurrently,
     and which one would land last is not defined."""
     order = _order(table[:, 3], table[:, 4])
-    dest, at, length = table[order, 3], table[order, 4], table[order, 2]
+    dest, at, length = table[:, 3][order], table[:, 4][order], table[:, 2][order]
     clash = (dest[1:] == dest[:-1]) & (at[1:] < at[:-1] + length[:-1])
     if clash.any():
         k = int(np.flatnonzero(clash)[0])
-        a, b = sorted((int(ids[order[k]]), int(ids[order[k + 1]])))
+        rows = np.arange(len(table))[order]
+        a, b = sorted((int(ids[rows[k]]), int(ids[rows[k + 1]])))
         raise ValueError(
             f"rows {a} and {b} write the same bytes of "
             f"destination {int(dest[k])}: give each byte of a destination one row"
@@ -125,7 +145,9 @@ def _merged(table: np.ndarray) -> np.ndarray:
     both sides becomes one row."""
     if len(table) < 2:
         return table
-    table = table[_order(table[:, 0], table[:, 1])]
+    order = _order(table[:, 0], table[:, 1])
+    if not isinstance(order, slice):
+        table = _rows(table, order)
     tensor, offset, length, dest, at = table.T
     joins = (
         (tensor[1:] == tensor[:-1])
@@ -136,6 +158,9 @@ def _merged(table: np.ndarray) -> np.ndarray:
     if not joins.any():
         return table
     starts = np.flatnonzero(np.concatenate(([True], ~joins)))
-    merged = table[starts].copy()
-    merged[:, 2] = np.add.reduceat(length, starts)
+    lasts = np.append(starts[1:], len(table)) - 1
+    merged = _rows(table, starts)
+    # Not np.add.reduceat, which lets the GIL go (see _order): the rows of a run
+    # are back to back, so its length is where its last row ends.
+    merged[:, 2] = offset[lasts] + length[lasts] - offset[starts]
     return merged

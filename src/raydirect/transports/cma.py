@@ -67,6 +67,15 @@ _readv.argtypes = [
     ctypes.c_ulong,
 ]
 _readv.restype = ctypes.c_ssize_t
+# The same call holding the GIL, for a seal's 8 bytes and reads of at most
+# _FEW_BYTES in one call (0.5-2.5 ms; Python itself lets a thread hold the GIL
+# for its 5 ms switch interval): a call that lets the GIL go waits up to that
+# interval to have it back while another thread runs Python (a vLLM worker's
+# loop beside its KV reads). Beside a busy thread an 8 MiB read took 6.6-10.7 ms
+# with four such waits, 5.9 with one, and takes its 0.3-0.8 ms with none.
+_readv_holding_gil = ctypes.PyDLL(None, use_errno=True).process_vm_readv
+_readv_holding_gil.argtypes = _readv.argtypes
+_readv_holding_gil.restype = ctypes.c_ssize_t
 
 
 def _split_long(src: np.ndarray, dst: np.ndarray, length: np.ndarray):
@@ -290,7 +299,7 @@ class _Seal:
     def check(self) -> None:
         """``ProducerLostError`` (saying the producer ``gone``) unless the seal holds."""
         local, remote = self.vectors.ctypes.data, self.vectors[1:].ctypes.data
-        got = _readv(self.pid, local, 1, remote, 1, 0)
+        got = _readv_holding_gil(self.pid, local, 1, remote, 1, 0)
         if got != 8:
             _raise_for(got, self.link.who)
         if int(self.found[0]) != self.want:
@@ -383,7 +392,7 @@ def _read_few(pid: int, addresses: np.ndarray, ranges: Ranges, link: PeerMetadat
     remote = np.empty((n, 2), dtype=np.uint64)
     local[:, 0], remote[:, 0] = dst, src
     local[:, 1] = remote[:, 1] = length
-    return int(_readv(pid, local.ctypes.data, n, remote.ctypes.data, n, 0)) == total
+    return int(_readv_holding_gil(pid, local.ctypes.data, n, remote.ctypes.data, n, 0)) == total
 
 
 def _forget_after_fork() -> None:
