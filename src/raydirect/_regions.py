@@ -203,10 +203,21 @@ def export_region(
     if huge_pages:
         _onto_huge_pages(views, list(obj.metas.nbytes), obj.label)
     slot, address = seals.take(cma.seal_value(obj.obj_id, obj.capability))
-    cross = transport_instance("cma")  # its addresses, and the seal below
+    handle = _handle_of(obj, names, address, agent.address)
+    state = OpenRegion(obj, slot, on_notice)
+    served.add(state)
+    store.add_region(obj)
+    return Region(state, handle)
+
+
+def _handle_of(
+    obj: StoredObject, names: tuple[str, ...] | None, seal: int, agent: str
+) -> RegionHandle:
+    """What a reader needs: where the tensors are, the seal to check, the agent."""
+    cross = transport_instance("cma")  # its addresses, and the seal
     meta = cross.extract_tensor_transport_metadata(obj.obj_id, obj.buffers).extra  # type: ignore[arg-type]
-    encoded, frames = encode_meta({"cma": {**meta, "seal": address}, "shm": {"live": True}})
-    handle = RegionHandle(
+    encoded, frames = encode_meta({"cma": {**meta, "seal": seal}, "shm": {"live": True}})
+    return RegionHandle(
         region=obj.obj_id.hex(),
         capability=obj.capability.hex(),
         name=obj.label,
@@ -215,8 +226,8 @@ def export_region(
         dtypes=tuple(obj.metas.dtypes),
         shapes=tuple(tuple(s) for s in obj.metas.shapes),
         device="cpu",
-        transport=transport,
-        agent=agent.address,
+        transport=obj.transport,
+        agent=agent,
         node_id=_ray.node_id(),
         pid=_process.PID,
         start_time=_process.START_TIME,
@@ -225,10 +236,6 @@ def export_region(
         meta=encoded,
         frames=frames,
     )
-    state = OpenRegion(obj, slot, on_notice)
-    served.add(state)
-    store.add_region(obj)
-    return Region(state, handle)
 
 
 def _onto_huge_pages(views: list[torch.Tensor], lengths: list[int], label: str) -> None:
