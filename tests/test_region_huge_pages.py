@@ -8,6 +8,7 @@ Real Ray, a real owner process, a real reader over ``cma``.
 from __future__ import annotations
 
 import ctypes
+import mmap
 
 import pytest
 import ray
@@ -55,10 +56,13 @@ def test_written_memory_moves_onto_huge_pages_and_unwritten_memory_stays_unalloc
 
 def test_only_resident_huge_pieces_are_collapsed():
     written = torch.ones(8 << 20, dtype=torch.uint8)
-    unwritten = torch.empty(8 << 20, dtype=torch.uint8)
-    unwritten[: 4 << 20] = 1  # at least one whole 2 MiB piece resident
     assert _huge_pages.collapse(written.data_ptr(), written.numel()) >= 6 << 20
-    moved = _huge_pages.collapse(unwritten.data_ptr(), unwritten.numel())
+    # Fresh private memory (torch.empty may hand back memory used before):
+    # its first half written, so at least one whole 2 MiB piece is resident.
+    fresh = mmap.mmap(-1, 8 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    fresh[: 4 << 20] = b"\1" * (4 << 20)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(fresh))
+    moved = _huge_pages.collapse(address, 8 << 20)
     assert 2 << 20 <= moved <= 4 << 20
     assert _huge_pages.collapse(written.data_ptr(), 1 << 20) == 0  # no whole piece: nothing
 
