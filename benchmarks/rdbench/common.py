@@ -90,6 +90,13 @@ def log(message: str) -> None:
 # ---------------------------------------------------------------- payload pattern
 
 
+def huge_page_bytes(pid: int | str = "self") -> int:
+    """Bytes of process ``pid``'s memory on transparent huge pages (smaps_rollup)."""
+    with open(f"/proc/{pid}/smaps_rollup") as f:
+        fields = dict(line.split(":", 1) for line in f if ":" in line)
+    return int(fields["AnonHugePages"].split()[0]) * 1024
+
+
 def fill_pattern(tensor: torch.Tensor, seed: int) -> None:
     """Write element i = i + seed into ``tensor`` (contiguous int32), in place."""
     flat = tensor.view(-1)

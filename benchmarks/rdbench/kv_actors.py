@@ -20,7 +20,7 @@ from vllm import LLM, SamplingParams
 from vllm.distributed.kv_transfer import get_kv_transfer_group
 
 from raydirect.vllm import kv_worker
-from rdbench.common import THP_ENV_VAR
+from rdbench.common import THP_ENV_VAR, huge_page_bytes
 
 BENCHMARKS = str(Path(__file__).resolve().parents[1])  # rdbench's parent, for the workers
 KV_ENV = {
@@ -148,9 +148,7 @@ class KVEngine:
     def huge_pages(self) -> int:
         """Bytes of the worker's memory on transparent huge pages (a RaydirectConnector
         engine's KV cache once its region is collapsed: ``raydirect._huge_pages``)."""
-        with open(f"/proc/{self._pids[0]}/smaps_rollup") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["AnonHugePages"].split()[0]) * 1024
+        return huge_page_bytes(self._pids[0])
 
     def cpu_seconds(self) -> float:
         """CPU seconds the engine core and worker processes have used."""
@@ -165,7 +163,7 @@ class KVEngine:
     def shutdown(self) -> None:
         self.pause(False)
         segments = _shared_memory_of(self._pids)
-        self.llm.llm_engine.engine_core.shutdown()
+        self.llm.llm_engine.engine_core.shutdown()  # else its processes outlive the actor
         # vLLM leaves some of its message queues' segments behind (a stopped
         # worker never unlinks its own): 160 MiB files, a few per run, before.
         for name in segments:
@@ -180,4 +178,4 @@ def _shared_memory_of(pids: tuple[int, ...]) -> set[str]:
         with contextlib.suppress(OSError), open(f"/proc/{pid}/maps") as maps:
             paths = {line.split(None, 5)[-1].strip() for line in maps if "/dev/shm/" in line}
         names.update(p for p in paths if p.startswith(VLLM_SEGMENTS) and "(deleted)" not in p)
-    return names  # else its processes outlive the actor
+    return names

@@ -30,6 +30,7 @@ from rdbench.common import (
     TRANSFER_TIMEOUT_S,
     check_pattern,
     fill_pattern,
+    huge_page_bytes,
     part_seed,
 )
 
@@ -97,9 +98,7 @@ class RegionOwner:
 
     def huge_pages(self) -> int:
         """Bytes of this process's memory on huge pages."""
-        with open("/proc/self/smaps_rollup") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return int(fields["AnonHugePages"].split()[0]) * 1024
+        return huge_page_bytes()
 
     def allocate(self, nbytes: int) -> None:
         self.objects[nbytes] = torch.empty(nbytes // ELEMENT_BYTES, dtype=DTYPE)
