@@ -17,8 +17,10 @@ after them. Each appends its name and the time to ``MARKS_DIR/<pid>``.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -62,9 +64,53 @@ def _wait_announced(pids: set[int], timeout: float = 120.0) -> None:
         time.sleep(0.05)
 
 
+def start_cluster(attempts: int = 3) -> None:
+    """A local cluster of this driver's own. Ray gives a starting raylet a fixed
+    30 s to register (``ray._private.node``); beside the test session's own
+    cluster on a loaded 2-core machine it can take longer, so try again."""
+    for attempt in range(attempts):
+        try:
+            ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="error")
+            return
+        except Exception as exc:
+            if "timed out during startup" not in str(exc) or attempt == attempts - 1:
+                raise
+            print(f"ray.init: {exc}; trying again", file=sys.stderr, flush=True)
+            ray.shutdown()
+            _end_children()  # the failed try's GCS and raylet: Ray does not stop them
+
+
+def _end_children() -> None:
+    """SIGKILL this process's children and wait (bounded) until they are gone."""
+    mine = str(os.getpid())
+    children = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = f.read().rsplit(")", 1)[1].split()[1]
+            except OSError:
+                continue
+            if ppid == mine:
+                children.append(int(entry))
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    for pid in children:
+        while time.monotonic() < deadline:
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                break
+            if done:
+                break
+            time.sleep(0.05)
+
+
 def main() -> None:
     marks_dir = sys.argv[1]
-    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="error")
+    start_cluster()
     atexit.register(mark, marks_dir, "after")
     mine = rd.put(torch.ones(100_000), tensor_transport="tcp")
     atexit.register(mark, marks_dir, "before")

@@ -188,6 +188,12 @@ class Reader:
     def drop(self) -> None:
         self.kept = []
 
+    def agent_up(self) -> bool:
+        """This process's agent, up now: the metrics thread starts it a moment
+        after a first transfer (six eventfds and a listening socket), which must
+        not land between a test's fd baseline and its check."""
+        return _runtime.agent() is not None
+
     def stats(self) -> rd.LocalStats:
         return rd.local_stats()
 

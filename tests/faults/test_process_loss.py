@@ -62,13 +62,15 @@ def reader(ray_session):
 def warm(producer, reader, transport: str) -> None:
     """Reads before the baseline, so that what each process makes once exists:
     channels, ZeroMQ contexts (pyzmq starts a second one, with its threads, for
-    its first zero-copy send: a 1 MiB object is streamed, not inlined)."""
+    its first zero-copy send: a 1 MiB object is streamed, not inlined), and the
+    reader's own agent (which a receiving process starts in the background)."""
     # Several refs at once (fetch threads, and up to four agent threads serving
     # them, each with its socket), then one (read on the actor's own thread).
     refs = [producer.big.remote(1 << 20, i) for i in range(6)]
     for batch in (refs, refs[:1]):
         result = ray.get(reader.read.remote(batch, transport, 60))
         assert result["ok"], result
+    assert ray.get(reader.agent_up.remote())
 
 
 @pytest.mark.timeout(240)
