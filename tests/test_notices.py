@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import ray
 import torch
@@ -96,6 +98,36 @@ def test_reads_back_to_back_are_reported_in_one_message(ray_session):
     got = _sent()
     assert (got[0] - before[0], got[1] - before[1]) == (100, 100 * NBYTES)
     assert server.admission.admitted - admitted <= 2  # one batch (two if the machine paused)
+    store.free(payload.obj_id)
+
+
+def _thread_cpu_s(thread: threading.Thread) -> float:
+    """CPU seconds ``thread`` (of this process) has used."""
+    with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_notice_thread_waits_without_spinning_while_reads_come(ray_session):
+    # Reads a millisecond apart never pause for 2 ms: the thread waits out each
+    # 20 ms window, then sends. It once computed a wait of 0 while reads of a
+    # producer never refused were queued, and spun through the window: 0.2 ms
+    # of CPU per 1 MiB transfer, and the reader's GIL.
+    payload = _producer.export([torch.ones(NBYTES // 4)], "cma", inline=False)
+    before = _sent()
+    _report(payload, payload.capability)
+    assert wait_read_counts(timeout=30)  # the thread is up
+    thread = next(t for t in threading.enumerate() if t.name == "raydirect-notices")
+    cpu, start = _thread_cpu_s(thread), time.monotonic()
+    posted = 0
+    while time.monotonic() - start < 1.0:
+        _report(payload, payload.capability)
+        posted += 1
+        time.sleep(0.001)  # paces the reads; nothing waits on it
+    used = _thread_cpu_s(thread) - cpu
+    assert wait_read_counts(timeout=30)
+    assert _sent()[0] - before[0] == posted + 1
+    assert used < 0.25, f"the notice thread used {used:.2f} s of CPU in 1 s of reads"
     store.free(payload.obj_id)
 
 

@@ -158,7 +158,7 @@ class Notices:
     def _pause(self) -> float | None:
         """How long to wait before looking again; None: until a read wakes us."""
         now = time.monotonic()
-        later = [p.not_before for p in self._waiting.values() if p.reads]
+        later = [p.not_before for p in self._waiting.values() if p.reads and p.not_before > now]
         if self._first_post is not None:
             later.append(min(self._last_post + _QUIET_S, self._first_post + _LINGER_S))
         if later:
