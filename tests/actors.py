@@ -144,6 +144,18 @@ class Producer:
         return t
 
     @rd.method
+    def layers(self, count: int, weights: str = "bfloat16") -> dict[str, torch.Tensor]:
+        """``count`` layers of a small model (weights of dtype ``weights``, float32
+        biases): many tensors of a few shapes. Element ``i`` of layer ``k`` holds
+        ``k + i % 7``."""
+        out = {}
+        dtype = getattr(torch, weights)
+        for k in range(count):
+            out[f"{k}.weight"] = (torch.arange(128 * 128) % 7 + k).to(dtype).view(128, 128)
+            out[f"{k}.bias"] = (torch.arange(128) % 7 + k).to(torch.float32)
+        return out
+
+    @rd.method
     def keep(self, key: str, n: int = 20_000) -> torch.Tensor:
         """A tensor kept here (80 KB by default: above the inline limit, a direct object)."""
         self.kept[key] = torch.arange(n, dtype=torch.float32)

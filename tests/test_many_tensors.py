@@ -279,7 +279,7 @@ def test_a_collector_the_program_turned_off_stays_off():
 
 
 def test_a_few_whole_tensors_are_read_in_one_call():
-    """A medium transfer (up to 8 tensors, 16 MiB, whole) skips the span planning
+    """A medium transfer (up to 64 tensors, 16 MiB, whole) skips the span planning
     (70 us here, more than reading 1 MiB): one process_vm_readv from the tensors'
     addresses. Anything else, or a read that comes up short, is the general path's."""
     g = torch.Generator().manual_seed(8)
@@ -288,9 +288,9 @@ def test_a_few_whole_tensors_are_read_in_one_call():
     dests = [torch.zeros_like(t) for t in sources]
     assert cma._read_few(os.getpid(), addresses, Ranges.of_whole(dests), _own_link())
     assert all(torch.equal(d, s) for d, s in zip(dests, sources, strict=True))
-    nine = [torch.ones(4, dtype=torch.uint8) for _ in range(9)]
-    many = np.array([t.data_ptr() for t in nine], dtype=np.int64)
-    assert not cma._read_few(os.getpid(), many, Ranges.of_whole(nine), _own_link())
+    beyond = [torch.ones(4, dtype=torch.uint8) for _ in range(cma._FEW_TENSORS + 1)]
+    many = np.array([t.data_ptr() for t in beyond], dtype=np.int64)
+    assert not cma._read_few(os.getpid(), many, Ranges.of_whole(beyond), _own_link())
     big = torch.zeros(17 << 20, dtype=torch.uint8)
     one = np.array([big.data_ptr()], dtype=np.int64)
     assert not cma._read_few(os.getpid(), one, Ranges.of_whole([big]), _own_link())

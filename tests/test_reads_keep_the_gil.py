@@ -1,5 +1,5 @@
 """A same-node read of at most 16 MiB keeps the GIL from start to end (``transports.cma``,
-``_process.process_alive``, ``_region_rows``).
+``_process.process_alive``, ``_region_rows``; for objects, ``_tensors.tensors_from_arena``).
 
 A reader often shares its process with a thread that runs Python all the time:
 a vLLM worker's loop beside the KV connector's reads, an actor's event loop.
@@ -24,6 +24,9 @@ from ray import cloudpickle
 from region_actors import BLOCK_BYTES, BLOCKS, LAYERS, Owner, expected, kv_rows
 
 import raydirect as rd
+from raydirect import _consumer, _payload
+
+from actors import Producer
 
 cloudpickle.register_pickle_by_value(region_actors)
 
@@ -37,10 +40,10 @@ def owner(ray_session):
     ray.kill(o)
 
 
-def _moves_during(read: Callable[[], object]) -> list[int]:
+def _moves_during(read: Callable[[], object], between: Callable[[], object] = list) -> list[int]:
     """How far a thread counting in Python got during each of ``READS`` calls of
     ``read``, with a switch interval of half a second: 0 where ``read`` never let
-    the GIL go."""
+    the GIL go. ``between`` runs before each, not counted."""
     count, stop = [0], threading.Event()
 
     def busy() -> None:
@@ -54,6 +57,7 @@ def _moves_during(read: Callable[[], object]) -> list[int]:
         counter.start()
         moved = []
         for _ in range(READS):
+            between()
             before = count[0]
             read()
             moved.append(count[0] - before)
@@ -78,3 +82,33 @@ def test_a_region_read_never_lets_the_gil_go(owner, order):
     assert sorted(moved)[-3] == 0, moved
     for got, want in zip(dests, expected(blocks, list(range(8))), strict=True):
         assert torch.equal(got.view(BLOCKS, -1)[:8], want.view(BLOCKS, -1)[:8])
+
+
+def test_an_object_of_many_tensors_is_rebuilt_without_letting_the_gil_go(ray_session):
+    # 64 tensors in two dtypes and two shapes: made with a torch view each,
+    # they let the GIL go 64 times per read.
+    p = Producer.remote()
+    try:
+        (pending,) = _payload.get_deferred([p.layers.remote(32, "float16")], timeout=60)
+        payload = pending.payload  # what a ray.get hands the consumer: read here, no Ray call
+        assert len(payload.metas) == 64 and payload.nbytes > 1 << 20  # a reused arena
+        # Each read lands in a receive arena the one before freed (a new one
+        # would be mapped, and mmap lets the GIL go), dropped between reads:
+        # torch lets the GIL go when the last tensor of a storage dies.
+        kept = [_consumer.fetch_value(payload) for _ in range(2)][-1:]  # connects, maps
+
+        def read() -> None:
+            kept.append(_consumer.fetch_value(payload))
+
+        def drop_the_one_before() -> None:
+            del kept[:-1]
+
+        moved = _moves_during(read, between=drop_the_one_before)
+        assert sorted(moved)[-3] == 0, moved
+        value = kept[-1]
+        assert value["31.weight"].dtype == torch.float16
+        assert value["31.weight"].shape == (128, 128)
+        assert torch.equal(value["31.weight"][1], (torch.arange(128, 256) % 7 + 31).half())
+        assert torch.equal(value["5.bias"], (torch.arange(128) % 7 + 5).float())
+    finally:
+        ray.kill(p)

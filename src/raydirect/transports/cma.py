@@ -47,7 +47,7 @@ THREADS_ENV = "RAYDIRECT_CMA_THREADS"
 _JOIN_GAP = 4096  # runs at most this far apart are read as one span (see _Spans)
 _JOIN_RUN = 64 << 10  # runs this long are read on their own: their vector costs little
 _JOIN_MAX = 512  # runs per span, so that a span's local vectors fit one call
-_FEW_TENSORS = 8  # a whole object of at most this many tensors ...
+_FEW_TENSORS = 64  # a whole object of at most this many tensors ...
 _FEW_BYTES = 16 << 20  # ... and bytes is read in one call, with no plan (_read_few)
 _FEW_RUNS = 64  # so is a ranged read of at most this many runs (and bytes)
 _scratch = np.empty(_JOIN_GAP, dtype=np.uint8)  # where the gaps go; never read
