@@ -27,7 +27,7 @@
 Every value moved is checked. Tables (markdown, with ratios) go to stdout,
 progress lines to stderr. See benchmarks/README.md for what each row means.
 
-    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7,8,9,10,11,12,13,14] [--quick] [--groups ...]
+    ./dev raydirect bench [--workloads 1,2,3,4,5,6,7,8,9,10,11,12,13,14,17] [--quick] [--groups ...]
                           [--json out.json] [--plot out.png]
 """
 
@@ -100,7 +100,7 @@ OPTIONS = (
 )  # fmt: skip
 # Workloads 15 and 16 start a cluster in network namespaces (root), which a test
 # run on the same machine may be using: they run only when named.
-DEFAULT_WORKLOADS = "1,2,3,4,5,6,7,8,9,10,11,12,13,14"
+DEFAULT_WORKLOADS = "1,2,3,4,5,6,7,8,9,10,11,12,13,14,17"
 REPEATS, QUICK_REPEATS = 5, 2
 LARGE_REPEATS = 3  # full run: for operations moving LARGE_REPEATS_FROM bytes or more
 TIMELINE_TENSORS = {1, 200, 5000}  # workload 6's layouts

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 CLI = [sys.executable, "-m", "raydirect.cli"]
-WORKLOADS = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14}  # 15, 16: root, run apart
+WORKLOADS = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 17}  # 15, 16: root, run apart
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rdbench.busy_reads import busy_reads, busy_summary
 from rdbench.common import OBJECT_STORE, PLAIN_CALL, RDT_GLOO, Workload
 from rdbench.driver import to_driver
 from rdbench.kv_handoff import NIXL_HANDOFF, NIXL_TRANSFER, kv_handoff, kv_targets
@@ -156,6 +157,15 @@ WORKLOADS = {
             BASELINES_16,
             fan_out,
             node_targets,
+        ),
+        Workload(
+            17,
+            "reads beside a thread that runs Python, against the same reads alone",
+            "object, thread",
+            "us",
+            (OBJECT_STORE,),
+            busy_reads,
+            busy_summary,
         ),
     ]
 }

@@ -100,7 +100,7 @@ class Context:
             self._rdt_actors = [RdtProducer.remote()]
             self._rdt_actors += [RdtConsumer.remote() for _ in range(consumers)]
         # These start their own processes, or none (12: the planner alone).
-        shared = set(cfg.workloads) - {7, 9, 10, 11, 12, 14, 15, 16}
+        shared = set(cfg.workloads) - {7, 9, 10, 11, 12, 14, 15, 16, 17}
         if shared and (cfg.wants(GROUP_RAYDIRECT) or cfg.wants(GROUP_RAY) or cfg.wants(GROUP_NIXL)):
             producers = PRODUCERS_W4 if 4 in cfg.workloads else 1
             self.producers(producers, wait=False)
