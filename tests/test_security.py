@@ -109,6 +109,16 @@ def _objects(actor) -> dict[str, str]:
     )
 
 
+def _new_object(actor, key: str) -> tuple[ray.ObjectRef, str, str]:
+    """``actor.keep(key)``'s ref, and the id and capability of the object it made:
+    not an earlier test's, whose ref is gone and which may be freed meanwhile."""
+    before = _objects(actor)
+    ref = actor.keep.remote(key)
+    ray.wait([ref])
+    [(obj_hex, cap_hex)] = [(k, c) for k, c in _objects(actor).items() if k not in before]
+    return ref, obj_hex, cap_hex
+
+
 def _capture_logs(actor) -> None:
     def install(self):
         import logging
@@ -146,10 +156,8 @@ def test_agent_socket_is_bound_to_the_node_address(producer):
 def test_refusals_are_logged_without_capabilities(producer):
     address = agent_address(producer)
     _capture_logs(producer)
-    ref = producer.keep.remote("logged")
-    ray.wait([ref])
+    ref, obj_hex, cap_hex = _new_object(producer, "logged")
     held = _objects(producer)
-    obj_hex, cap_hex = next(iter(held.items()))
     wrong = secrets.token_hex(16)
     freed_ref = producer.keep.remote("freed")
     ray.wait([freed_ref])
@@ -216,9 +224,7 @@ def test_ray_token_auth_is_required_by_the_agent(producer):
     assert worker_keys == _wire.cluster_keys()  # every process of the cluster derives it
     token = ray._raylet.AuthenticationTokenLoader.instance().get_raw_token()
     assert token.encode() not in b"".join(worker_keys)  # a digest of the token, never it
-    ref = producer.keep.remote("token")
-    ray.wait([ref])
-    obj_hex, cap_hex = next(iter(_objects(producer).items()))
+    ref, obj_hex, cap_hex = _new_object(producer, "token")
     fetch = request(op="fetch", obj=obj_hex, cap=cap_hex, transport="tcp")
     handled = _handled(producer)
     for keys in (zmq.curve_keypair(), zmq.curve_keypair()):  # other clusters', or nobody's
@@ -302,11 +308,9 @@ def test_a_replayed_connection_is_not_served(producer):
     proxied = address.replace(
         parts.endpoint, f"tcp://{listener.getsockname()[0]}:{listener.getsockname()[1]}"
     )
-    ref = producer.keep.remote("replayed")
-    ray.wait([ref])
-    obj_hex, cap_hex = next(iter(_objects(producer).items()))
+    ref, obj_hex, cap_hex = _new_object(producer, "replayed")
     reply = ask(proxied, request(op="fetch", obj=obj_hex, cap=cap_hex, transport="tcp"))
-    assert reply["ok"] is True and recorded
+    assert reply["ok"] is True and recorded, reply
     thread.join(10)
     handled = _handled(producer)
     with socket.create_connection((host, port), timeout=10) as replay:
