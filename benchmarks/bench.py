@@ -1,4 +1,4 @@
-"""raydirect against Ray's object store and Ray's RDT, sixteen workloads, one Ray session.
+"""raydirect against Ray's object store and Ray's RDT, seventeen workloads, one Ray session.
 
 1. actor -> actor, one tensor, 4 KiB ... 1 GiB
 2. weight sync: a 256 MiB state dict of 200 tensors to 1, 2 and 4 consumers

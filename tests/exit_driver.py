@@ -20,7 +20,6 @@ import atexit
 import contextlib
 import json
 import os
-import signal
 import sys
 import time
 from typing import Any
@@ -82,30 +81,13 @@ def start_cluster(attempts: int = 3) -> None:
 
 def _end_children() -> None:
     """SIGKILL this process's children and wait (bounded) until they are gone."""
-    mine = str(os.getpid())
-    children = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = f.read().rsplit(")", 1)[1].split()[1]
-            except OSError:
-                continue
-            if ppid == mine:
-                children.append(int(entry))
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 30
-    for pid in children:
-        while time.monotonic() < deadline:
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                break
-            if done:
-                break
-            time.sleep(0.05)
+    import psutil  # Ray's own copy, on sys.path once ray is imported
+
+    children = psutil.Process().children()
+    for child in children:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(children, timeout=30)
 
 
 def main() -> None:

@@ -32,6 +32,8 @@ from typing import Any
 
 import loopback  # this script's folder is on sys.path
 
+from helpers import thread_cpu_s
+
 TRANSFER_BYTES = 1 << 20
 BIG_BYTES = 24 << 20
 IDLE_CONNECTIONS = 300  # per port, idle; and HALF_SENT more that stop midway
@@ -79,13 +81,6 @@ def flood(address: str, seconds: float, seed: int, kind: str) -> None:
             except OSError:
                 pass
     print("done", flush=True)
-
-
-def thread_cpu(pid: int, tid: int) -> float:
-    """CPU seconds (user + system) thread ``tid`` of ``pid`` has used."""
-    with open(f"/proc/{pid}/task/{tid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def describe(pid: int) -> dict[str, list[str]]:
@@ -247,7 +242,7 @@ def main() -> None:
 
     pid, loop_tid, zap_tid = agent["pid"], agent["loop_tid"], agent["zap_tid"]
     admitted_before = ray.get(p.admitted.remote())
-    cpu_before = (thread_cpu(pid, loop_tid), thread_cpu(pid, zap_tid))
+    cpu_before = (thread_cpu_s(pid, loop_tid), thread_cpu_s(pid, zap_tid))
     kinds = ["stranger", "raw"]
     clients = [
         subprocess.Popen(
@@ -265,7 +260,7 @@ def main() -> None:
             raise AssertionError("the flooding clients did not stop")
     flood_s = time.monotonic() - t0
     codes = [c.wait(timeout=60) for c in clients]
-    cpu_after = (thread_cpu(pid, loop_tid), thread_cpu(pid, zap_tid))
+    cpu_after = (thread_cpu_s(pid, loop_tid), thread_cpu_s(pid, zap_tid))
     # Every request the loop admitted was a real transfer's (two each: fetch, sent).
     admitted_during = ray.get(p.admitted.remote()) - admitted_before
     after = [transfer() for _ in range(10)]

@@ -52,6 +52,13 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def thread_cpu_s(pid: int, tid: int) -> float:
+    """CPU seconds (user + system) thread ``tid`` of process ``pid`` has used."""
+    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def agent_dealer(
     ctx: zmq.Context, address: str, keys: tuple[bytes, bytes] | None = None
 ) -> zmq.Socket:

@@ -21,6 +21,7 @@ from raydirect._store import store
 from raydirect.testing import wait_read_counts
 
 import actors
+from helpers import thread_cpu_s
 
 NBYTES = 200_000
 
@@ -101,13 +102,6 @@ def test_reads_back_to_back_are_reported_in_one_message(ray_session):
     store.free(payload.obj_id)
 
 
-def _thread_cpu_s(thread: threading.Thread) -> float:
-    """CPU seconds ``thread`` (of this process) has used."""
-    with open(f"/proc/self/task/{thread.native_id}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def test_the_notice_thread_waits_without_spinning_while_reads_come(ray_session):
     # Reads a millisecond apart never pause for 2 ms: the thread waits out each
     # 20 ms window, then sends. It once computed a wait of 0 while reads of a
@@ -118,13 +112,13 @@ def test_the_notice_thread_waits_without_spinning_while_reads_come(ray_session):
     _report(payload, payload.capability)
     assert wait_read_counts(timeout=30)  # the thread is up
     thread = next(t for t in threading.enumerate() if t.name == "raydirect-notices")
-    cpu, start = _thread_cpu_s(thread), time.monotonic()
+    cpu, start = thread_cpu_s(os.getpid(), thread.native_id), time.monotonic()
     posted = 0
     while time.monotonic() - start < 1.0:
         _report(payload, payload.capability)
         posted += 1
         time.sleep(0.001)  # paces the reads; nothing waits on it
-    used = _thread_cpu_s(thread) - cpu
+    used = thread_cpu_s(os.getpid(), thread.native_id) - cpu
     assert wait_read_counts(timeout=30)
     assert _sent()[0] - before[0] == posted + 1
     assert used < 0.25, f"the notice thread used {used:.2f} s of CPU in 1 s of reads"

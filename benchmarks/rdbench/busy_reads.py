@@ -19,7 +19,6 @@ rounds of ``_BATCH`` reads.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections.abc import Sequence
@@ -120,9 +119,6 @@ class BusyReader:
             _check(kind, value)
         return seconds
 
-    def pid(self) -> int:
-        return os.getpid()
-
 
 def busy_reads(ctx: Context) -> list[Row]:
     """Workload 17 (the module's docstring): ``--rounds`` interleaved rounds."""
@@ -138,7 +134,9 @@ def busy_reads(ctx: Context) -> list[Row]:
         return []
     source, reader = Source.remote(), BusyReader.remote()
     try:
-        ray.get([source.__ray_ready__.remote(), reader.pid.remote()], timeout=SETUP_TIMEOUT_S)
+        ray.get(
+            [source.__ray_ready__.remote(), reader.__ray_ready__.remote()], timeout=SETUP_TIMEOUT_S
+        )
         live = set(rows)
         for round_ in range(cfg.medium_rounds + 1):
             for thread in (ALONE, BUSY):

@@ -20,9 +20,11 @@ from vllm_harness import save_llama, start_engine
 cloudpickle.register_pickle_by_value(vllm_harness)
 
 SHM = "/dev/shm"
-# vLLM's shared memory: its message queues' (multiprocessing's psm_) and its CPU
-# tensor-parallel communicator's. An engine whose actor is killed cannot unlink them.
-VLLM_SHM_PREFIXES = ("psm_", "vllm_dist_")
+# vLLM's shared memory: its message queues' (multiprocessing's psm_), its CPU
+# tensor-parallel communicator's, and the named semaphores of its spawned
+# processes (multiprocessing's sem.mp-, unlinked by a resource tracker that a
+# killed engine takes with it). An engine whose actor is killed cannot unlink them.
+VLLM_SHM_PREFIXES = ("psm_", "vllm_dist_", "sem.mp-")
 
 
 def _in_use() -> set[str]:
