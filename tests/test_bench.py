@@ -98,7 +98,7 @@ def test_bench_quick_json_has_rows_for_every_workload(tmp_path):
     assert plans["every worker's targets built and planned"]["measured"], plans
     assert len(plans) == 3, plans
     leases = [r for r in rows if r["workload"] == 13]
-    assert len(leases) == 5 and all(r["measured"] for r in leases), leases
+    assert len(leases) == 6 and all(r["measured"] for r in leases), leases
     steps = {(r["param"], r["system"]) for r in rows if r["workload"] == 14}
     assert ("4KiB, one tensor", "the two calls, raydirect auto") in steps, steps
     assert ("1 tensor, rd.get(into=)", "rd.get(into=): producer: export") in steps, steps
@@ -399,11 +399,12 @@ def test_cross_node_workloads_skip_without_the_harness_and_read_their_driver(mon
 
 def test_lease_and_plan_targets_are_judged_as_printed():
     """Workload 13's summary: each lifetime over the bare calls (at most 2.0x with a
-    lease, 1.3x with reads=1) and every row's CPU per transfer; workload 12's: the
-    plan's time over 1 s and the bytes per source rank, max/mean (at most 1.1x)."""
+    lease, 1.3x with reads=1) beside the floor's, and every row's CPU per transfer;
+    workload 12's: the plan's time over 1 s and the bytes per source rank, max/mean
+    (at most 1.1x)."""
     sys.path.insert(0, str(BENCHMARKS))
     from rdbench.common import Row
-    from rdbench.leases import BARE, CPU, LEASED, READ_ONCE, lease_targets
+    from rdbench.leases import BARE, CPU, FLOOR, LEASED, READ_ONCE, lease_targets
     from rdbench.plan_moe import EVERY_PLAN, ONE_PLAN, SPREAD, plan_targets
 
     def row(system: str, ms: float, cpu: float) -> Row:
@@ -415,6 +416,8 @@ def test_lease_and_plan_targets_are_judged_as_printed():
     assert f"| {LEASED} / the two calls, at most 2x | 1MiB | 2.10x | - | no |" in text
     assert f"| {READ_ONCE} / the two calls, at most 1.3x | 1MiB | 1.30x | - | yes |" in text
     assert f"| {LEASED} | 4.00 |" in text
+    text = lease_targets([row(BARE, 1.0, 1.2), row(FLOOR, 1.2, 1.5), row(READ_ONCE, 1.4, 1.8)])
+    assert f"| {READ_ONCE} / the two calls, at most 1.3x | 1MiB | 1.40x | 1.20x | no |" in text
     plan = Row(12, ONE_PLAN, "256 ranks -> 128 workers", 128, 0, unit="us", times_s=[0.03])
     every = Row(12, EVERY_PLAN, plan.param, 128, 0, unit="us", times_s=[4.0])
     every.measured[SPREAD] = 1.012

@@ -31,6 +31,7 @@ from rdbench.common import (
     FREE_TIMEOUT_S,
     TRANSFER_TIMEOUT_S,
     Layout,
+    StandIn,
     check_layout,
     check_pattern,
     fill_layout,
@@ -139,6 +140,11 @@ class _Producer(PatternSource):
     def number(self, name: str) -> int:
         """Workload 8's baseline: the call of ``one``, returning an int (the seed)."""
         return int(self.tensors[name][0])
+
+    def stand_in(self, name: str) -> StandIn:
+        """Workload 13's floor: the call of ``one``, returning a Payload-sized
+        object (``StandIn``) that carries the seed."""
+        return StandIn(int(self.tensors[name][0]), b"\x5a" * StandIn.PAD)
 
     def put_number(self, name: str) -> list[Any]:
         """Workload 13: ``put_auto``'s baseline, a put ref of an int (the seed)."""
@@ -264,6 +270,7 @@ class CheckingConsumer:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[tuple[str, tuple[int, ...]], ...], dict[str, torch.Tensor]] = {}
+        self._copy_sources: dict[tuple[int, int], torch.Tensor] = {}
 
     def consume(self, tensor: Any, seed: int, nbytes: int) -> int:
         """Workloads 1 and 5's peer: one tensor as a task argument."""
@@ -279,6 +286,22 @@ class CheckingConsumer:
 
     def pid(self) -> int:
         return os.getpid()
+
+    def take_stand_in(self, value: StandIn, seed: int, nbytes: int) -> int:
+        """Workload 13's floor: the call of ``consume``, taking a ``StandIn``, and
+        the one copy of ``nbytes`` into new memory any receive makes (from a
+        buffer of this process holding ``seed``'s pattern), checked as ``consume``
+        checks a received tensor."""
+        if value.seed != seed:
+            raise ValueError(f"took seed {value.seed}, expected {seed}")
+        source = self._copy_sources.get((seed, nbytes))
+        if source is None:  # once per block: its first transfers are not counted
+            source = torch.empty(nbytes // ELEMENT_BYTES, dtype=DTYPE)
+            fill_pattern(source, seed)
+            self._copy_sources = {(seed, nbytes): source}
+        # numpy's copy, one thread like a receive's: torch's clone of 1 MiB wakes
+        # its intra-op pool, whose spinning threads cost a 2-core machine 1 ms.
+        return self.consume(torch.from_numpy(source.numpy().copy()), seed, nbytes)
 
     def take_number(self, value: int, seed: int, nbytes: int) -> int:
         """Workload 8's baseline: the call of ``consume``, taking an int."""

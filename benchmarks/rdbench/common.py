@@ -97,6 +97,21 @@ def huge_page_bytes(pid: int | str = "self") -> int:
     return int(fields["AnonHugePages"].split()[0]) * 1024
 
 
+class StandIn:
+    """What a raydirect Payload is to Ray, without raydirect: an object of an
+    importable class, pickled by reference (Ray's pickle path, not its msgpack
+    one for an int or bytes), about a 1 MiB ``reads=1`` Payload's size (531
+    bytes pickled). Workload 13's floor returns one."""
+
+    PAD = 512
+
+    def __init__(self, seed: int, pad: bytes) -> None:
+        self.seed, self.pad = seed, pad
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (StandIn, (self.seed, self.pad))
+
+
 def fill_pattern(tensor: torch.Tensor, seed: int) -> None:
     """Write element i = i + seed into ``tensor`` (contiguous int32), in place."""
     flat = tensor.view(-1)
