@@ -13,6 +13,7 @@ import torch
 from ray import cloudpickle
 
 import raydirect as rd
+from raydirect import _lifetime
 from raydirect._payload import Payload, get_deferred
 
 from helpers import wait_for
@@ -47,6 +48,10 @@ class Stage:
 
     @rd.method(reads=1, ttl=600, tensor_transport="tcp")
     def once_tcp(self, seed: int) -> torch.Tensor:
+        return pattern(seed)
+
+    @rd.method(reads=1, ttl=600)
+    def once_or_in_ten_minutes(self, seed: int) -> torch.Tensor:
         return pattern(seed)
 
     @rd.method(reads=1, tensor_transport="shm")
@@ -93,6 +98,9 @@ class Stage:
 
     def held(self) -> int:
         return rd.local_stats().num_objects
+
+    def deadlines(self) -> int:
+        return len(_lifetime.lifetimes._deadlines)
 
 
 @pytest.fixture(scope="module")
@@ -152,6 +160,18 @@ def test_freed_at_its_ttl_unread(stages):
     wait_for(lambda: held(producer) == 0, timeout=30, what="freed at its ttl")
     error = ray.get(consumer.read_error.remote([ref]))
     assert "ttl=1" in error, error
+
+
+def test_objects_read_long_before_their_ttl_leave_no_deadline_behind(stages):
+    # Freed by its read, an object's ttl deadline stayed in the clock's heap
+    # until the ttl passed: a ttl of minutes at a high rate piled them up.
+    producer, _ = stages
+    wait_for(lambda: held(producer) == 0, what="empty store")
+    for seed in range(300):
+        ref = producer.once_or_in_ten_minutes.remote(seed)
+        assert torch.equal(rd.get(ref, timeout=30), pattern(seed))
+    wait_for(lambda: held(producer) == 0, what="each freed after its read")
+    assert ray.get(producer.deadlines.remote()) <= 64
 
 
 @pytest.mark.parametrize("method", ["once_tcp", "once_shm"])
