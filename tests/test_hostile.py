@@ -85,6 +85,22 @@ def test_deeply_nested_json_is_refused_not_dropped(producer):
     _still_serves(p)
 
 
+def test_an_op_that_is_no_string_is_refused_not_dropped(producer):
+    """An op JSON makes a list or a dict of: once a TypeError while deciding
+    whether to answer, so the peer got silence and the agent logged a traceback."""
+    p, address = producer
+    sock = _dealer(address)
+    try:
+        for op in (["fetch"], {"op": "fetch"}, 7, None):
+            sock.send(_with_auth({"op": op, "obj": "00", "cap": "00"}))
+            assert sock.poll(ANSWER_S * 1000), f"no answer to op {op!r}: dropped silently"
+            reply = json.loads(sock.recv())
+            assert reply["ok"] is False and reply["kind"] == "bad_request", reply
+    finally:
+        sock.close()
+    _still_serves(p)
+
+
 def test_oversized_request_is_cut_off(producer):
     """Requests are small JSON: a peer sending megabytes is disconnected by ZeroMQ
     before the agent buffers it, and the agent goes on serving everyone else."""

@@ -132,6 +132,8 @@ def agent_address(endpoint: str, curve_key: bytes, tls: str | None) -> str:
 
 def wants_reply(request: Any) -> bool:
     op = request.get("op") if isinstance(request, dict) else None
+    if not isinstance(op, str):  # not an op at all (a hostile list, say): refused, answered
+        return True
     if op in NOTIFY_OPS:
         return False
     if op in OPTIONAL_REPLY_OPS:
