@@ -104,7 +104,10 @@ def test_an_object_of_many_tensors_is_rebuilt_without_letting_the_gil_go(ray_ses
             del kept[:-1]
 
         moved = _moves_during(read, between=drop_the_one_before)
-        assert sorted(moved)[-3] == 0, moved
+        # Broken, every read moves the count. Allowed, as for regions, a rare
+        # wait on a lock of another thread of the process (the read notices',
+        # which each read posts to); on a loaded CI machine 3 reads of 20 did.
+        assert sorted(moved)[-6] == 0, moved
         value = kept[-1]
         assert value["31.weight"].dtype == torch.float16
         assert value["31.weight"].shape == (128, 128)
