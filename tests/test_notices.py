@@ -15,13 +15,13 @@ import time
 import ray
 import torch
 
-from raydirect import _admission, _process, _producer, _runtime
+from raydirect import _admission, _channel, _process, _producer, _runtime
 from raydirect._notices import notices
 from raydirect._store import store
 from raydirect.testing import wait_read_counts
 
 import actors
-from helpers import thread_cpu_s
+from helpers import thread_cpu_s, wait_for
 
 NBYTES = 200_000
 
@@ -122,6 +122,26 @@ def test_the_notice_thread_waits_without_spinning_while_reads_come(ray_session):
     assert wait_read_counts(timeout=30)
     assert _sent()[0] - before[0] == posted + 1
     assert used < 0.25, f"the notice thread used {used:.2f} s of CPU in 1 s of reads"
+    store.free(payload.obj_id)
+
+
+def test_the_notice_thread_closes_its_channels_outside_its_lock(ray_session, monkeypatch):
+    # Idle, the thread closes its channels to producers, which lets the GIL go.
+    # It did so holding the lock every read's post takes: a read posting then
+    # waited, and beside a thread running Python lost the GIL for a switch interval.
+    held: list[bool] = []
+    close = _channel.close_cached
+
+    def watched_close() -> None:
+        held.append(notices._cond._is_owned())  # type: ignore[attr-defined]
+        close()
+
+    monkeypatch.setattr(_channel, "close_cached", watched_close)
+    payload = _producer.export([torch.ones(NBYTES // 4)], "cma", inline=False)
+    _report(payload, payload.capability)
+    assert wait_read_counts(timeout=30)
+    wait_for(lambda: held, timeout=30, what="the idle notice thread closing its channels")
+    assert held and not any(held), held
     store.free(payload.obj_id)
 
 

@@ -119,20 +119,30 @@ class Notices:
         return True
 
     def _send_forever(self) -> None:
+        connected = False  # channels to producers may be cached since the last close
         while True:
+            batches: list[tuple[_Producer, list[list[Any]]]] = []
             with self._cond:
                 while not self._ready():
                     pause = self._pause()
+                    if pause is None and connected:
+                        break  # idle: close them first, outside the lock (below)
                     self._asleep = pause is None
-                    if self._asleep:  # idle: hold no sockets to producers meanwhile
-                        _channel.close_cached()
                     self._cond.wait(pause)
                     self._asleep = False
-                now = time.monotonic()
-                due = [p for p in self._waiting.values() if p.reads and p.not_before <= now]
-                batches = [(p, p.reads[:_BATCH]) for p in due]
-                for p, batch in batches:
-                    del p.reads[: len(batch)]
+                else:
+                    now = time.monotonic()
+                    due = [p for p in self._waiting.values() if p.reads and p.not_before <= now]
+                    batches = [(p, p.reads[:_BATCH]) for p in due]
+                    for p, batch in batches:
+                        del p.reads[: len(batch)]
+            if not batches:
+                # Idle: hold no sockets to producers meanwhile. Closing them lets
+                # the GIL go: under the lock, a read posting then waited for it.
+                _channel.close_cached()
+                connected = False
+                continue
+            connected = True
             for producer, batch in batches:
                 settled = self._deliver(producer, batch)
                 with self._cond:
