@@ -157,11 +157,8 @@ def test_refusals_are_logged_without_capabilities(producer):
     address = agent_address(producer)
     _capture_logs(producer)
     ref, obj_hex, cap_hex = _new_object(producer, "logged")
-    held = _objects(producer)
     wrong = secrets.token_hex(16)
-    freed_ref = producer.keep.remote("freed")
-    ray.wait([freed_ref])
-    [(freed_hex, freed_cap)] = [(k, c) for k, c in _objects(producer).items() if k not in held]
+    freed_ref, freed_hex, freed_cap = _new_object(producer, "freed")
     del freed_ref
     wait_for(lambda: freed_hex not in _objects(producer), what="object freed")
 

@@ -144,7 +144,7 @@ class _Producer(PatternSource):
     def stand_in(self, name: str) -> StandIn:
         """Workload 13's floor: the call of ``one``, returning a Payload-sized
         object (``StandIn``) that carries the seed."""
-        return StandIn(int(self.tensors[name][0]), b"\x5a" * StandIn.PAD)
+        return StandIn(int(self.tensors[name][0]))
 
     def put_number(self, name: str) -> list[Any]:
         """Workload 13: ``put_auto``'s baseline, a put ref of an int (the seed)."""

@@ -103,9 +103,7 @@ class StandIn:
     one for an int or bytes), about a 1 MiB ``reads=1`` Payload's size (531
     bytes pickled). Workload 13's floor returns one."""
 
-    PAD = 512
-
-    def __init__(self, seed: int, pad: bytes) -> None:
+    def __init__(self, seed: int, pad: bytes = b"\x5a" * 512) -> None:
         self.seed, self.pad = seed, pad
 
     def __reduce__(self) -> tuple[Any, ...]:

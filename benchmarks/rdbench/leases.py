@@ -174,10 +174,13 @@ def lease_targets(rows: Sequence[Row]) -> str:
     default lifetime's at most half of what a ``ray.put`` lease cost, 4 ms)."""
     median: dict[str, float] = {r.system: m for r in rows if (m := r.median()) is not None}
     bare = median.get(BARE)
-    floor = median[FLOOR] / bare if bare and FLOOR in median else None
+
+    def over_bare(system: str) -> float | None:
+        return median[system] / bare if bare and system in median else None
+
     lines = [
         TargetLine(f"{system} / the two calls", bound, True, format_size(NBYTES),
-                   median[system] / bare if bare and system in median else None, floor)
+                   over_bare(system), over_bare(FLOOR))
         for system, bound in TARGETS
     ]  # fmt: skip
     title = (

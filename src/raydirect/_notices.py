@@ -121,22 +121,9 @@ class Notices:
     def _send_forever(self) -> None:
         connected = False  # channels to producers may be cached since the last close
         while True:
-            batches: list[tuple[_Producer, list[list[Any]]]] = []
             with self._cond:
-                while not self._ready():
-                    pause = self._pause()
-                    if pause is None and connected:
-                        break  # idle: close them first, outside the lock (below)
-                    self._asleep = pause is None
-                    self._cond.wait(pause)
-                    self._asleep = False
-                else:
-                    now = time.monotonic()
-                    due = [p for p in self._waiting.values() if p.reads and p.not_before <= now]
-                    batches = [(p, p.reads[:_BATCH]) for p in due]
-                    for p, batch in batches:
-                        del p.reads[: len(batch)]
-            if not batches:
+                batches = self._next_batches(connected)
+            if batches is None:
                 # Idle: hold no sockets to producers meanwhile. Closing them lets
                 # the GIL go: under the lock, a read posting then waited for it.
                 _channel.close_cached()
@@ -153,6 +140,24 @@ class Notices:
                     if not producer.reads and settled:
                         self._waiting.pop(producer.address, None)
                     self._cond.notify_all()
+
+    def _next_batches(self, connected: bool) -> list[tuple[_Producer, list[list[Any]]]] | None:
+        """Under the lock: wait for reads to send, and take them off their queues;
+        None when the thread goes idle with channels still ``connected`` (to close
+        outside the lock)."""
+        while not self._ready():
+            pause = self._pause()
+            if pause is None and connected:
+                return None
+            self._asleep = pause is None
+            self._cond.wait(pause)
+            self._asleep = False
+        now = time.monotonic()
+        due = [p for p in self._waiting.values() if p.reads and p.not_before <= now]
+        batches = [(p, p.reads[:_BATCH]) for p in due]
+        for p, batch in batches:
+            del p.reads[: len(batch)]
+        return batches
 
     def _ready(self) -> bool:
         now = time.monotonic()
