@@ -269,4 +269,13 @@ def _on_the_producers_own_lease(p, n: int) -> None:
     assert float(rd.get(ref)[0]) == float(n)
     assert ray.get(p.claimed.remote()) == 0
     del ref
-    wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed by the producer's own lease")
+    wait_for(lambda: _held(p) == 0, what="freed by the producer's own lease")
+
+
+def _held(p) -> int | None:
+    """``p.held()``; None when Ray refuses the call under a ``max_pending_calls``
+    limit: it can count the last call pending a moment after its reply is in."""
+    try:
+        return ray.get(p.held.remote())
+    except ray.exceptions.PendingCallsLimitExceeded:
+        return None
