@@ -162,6 +162,21 @@ def test_freed_at_its_ttl_unread(stages):
     assert "ttl=1" in error, error
 
 
+def test_a_shorter_ttl_made_later_ends_at_its_own_deadline(stages):
+    # The clock is woken only by an export whose deadline comes first: one that
+    # sleeps until a ten-minute deadline must still free a one-second object.
+    producer, consumer = stages
+    wait_for(lambda: held(producer) == 0, what="empty store")
+    long_lived = producer.once_or_in_ten_minutes.remote(3)
+    ray.wait([long_lived])
+    brief = producer.briefly.remote(4)
+    ray.wait([brief])
+    wait_for(lambda: held(producer) == 1, timeout=30, what="the one-second object freed")
+    assert "ttl=1" in ray.get(consumer.read_error.remote([brief]))
+    assert torch.equal(ray.get(consumer.read.remote([long_lived])), pattern(3))
+    wait_for(lambda: held(producer) == 0, what="the other freed by its read")
+
+
 def test_objects_read_long_before_their_ttl_leave_no_deadline_behind(stages):
     # Freed by its read, an object's ttl deadline stayed in the clock's heap
     # until the ttl passed: a ttl of minutes at a high rate piled them up.

@@ -113,7 +113,10 @@ class Lifetimes:
             if lifetime.ttl is not None:
                 heapq.heappush(self._deadlines, (time.monotonic() + lifetime.ttl, obj.obj_id))
                 self._start_clock()
-                self._lock.notify_all()
+                # The clock waits for the earliest deadline: woken by every export
+                # (a thread switch each, on the producer's path), it only waited again.
+                if self._deadlines[0][1] == obj.obj_id:
+                    self._lock.notify_all()
         return address
 
     def count_read(self, obj: StoredObject) -> None:
