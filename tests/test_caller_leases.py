@@ -14,7 +14,7 @@ import ray
 import torch
 
 import raydirect as rd
-from raydirect import _caller_leases
+from raydirect import _caller_leases, _ray
 
 from helpers import wait_for
 
@@ -179,6 +179,43 @@ def test_a_method_waiting_for_a_free_is_not_blocked_by_it(pair):
     waiting = p.wait_freed.remote("waited", 30)
     del ref
     assert ray.get(waiting) == "freed"
+
+
+def test_a_free_carried_by_a_call_queued_behind_the_method_waiting_for_it_arrives(
+    pair, monkeypatch
+):
+    """A trainer's step waits for its last weights to be freed, and the call for
+    its next weights goes out at once: the free rides on that call, which runs
+    only after the step. It reaches the producer's agent all the same."""
+    monkeypatch.setattr(_caller_leases, "_FLUSH_S", 600.0)  # it waits for a call to carry it
+    p, _ = pair
+    ref = p.keep.remote("stepped")
+    rd.get(ref)
+    before = _queued_frees()
+    step = p.wait_freed.remote("stepped", 30)
+    del ref
+    wait_for(lambda: _queued_frees() > before, what="the free queued for the next call")
+    after = p.keep.remote("after the step")
+    assert _queued_frees() == 0, "the call did not carry the free"
+    assert ray.get(step) == "freed"
+    assert float(rd.get(after)[0]) == 0.0
+
+
+def test_rays_ready_callback_is_there(ray_session):
+    """Frees carried on a call are sent again when the call has not run soon
+    (``_ray.on_ready``, Ray's private ``ObjectRef._on_ready``): this fails first
+    if a Ray upgrade drops it."""
+    ran = threading.Event()
+    ref = ray.put(1)
+    _ray.on_ready(ref, lambda error: ran.set() if error is None else None)
+    assert ran.wait(30)
+
+
+def _queued_frees() -> int:
+    """Frees this process (the driver) holds for its next call or its flusher."""
+    leases = _caller_leases.caller_leases
+    with leases._lock:
+        return sum(len(p.freed) for p in leases._pairs.values())
 
 
 @ray.remote

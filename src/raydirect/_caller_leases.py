@@ -21,7 +21,10 @@ Per (caller, producer) pair:
 - The caller sends the ids of freed tokens with its next call to that producer,
   or, after ``_FLUSH_S`` without one, to the producer's agent: never as a Ray
   task, which a busy actor would run only after the method that keeps it busy
-  (one waiting in ``rd.wait_tensor_freed`` for this very free, say).
+  (one waiting in ``rd.wait_tensor_freed`` for this very free, say). A call is
+  queued behind such a method as a task is: frees it carries that it has not
+  run within ``_CARRIED_S`` go to the agent as well (a free made twice frees
+  once).
 - The first mint opens the pair: the producer takes a lease of its own (the
   *watch*) and returns it, with its agent's address, nested in a return the
   caller keeps for as long as it lives. When the caller dies, Ray drops its
@@ -40,6 +43,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -66,6 +70,10 @@ _REFILL_BELOW = 16
 # at 1/4/16 MiB: 1.74-1.78x / 1.83-2.06x / 2.45-2.93x the two calls with
 # 2 ms, 2.82x / 3.28x / 3.85x with 50 ms.
 _FLUSH_S = 0.002
+# Frees carried on a call that has not run this long go to the agent too: the
+# call may wait behind a method that waits for them (a trainer's step in
+# rd.wait_tensor_freed, submitted just before the call for its next weights).
+_CARRIED_S = 0.01
 _ANSWER_S = 10.0  # for the agent's answer to frees sent on their own
 _IDLE_S = 1.0  # without frees to send: the sending thread closes its channels
 _GIVE_UP_S = 60.0  # frees the producer's agent did not take this long are dropped, logged
@@ -162,6 +170,7 @@ class _Pair:
         self.alive: Callable[[], bool] | None = None  # on this node: is it running
         self.freed: list[str] = []
         self.freed_since = 0.0
+        self.carried: dict[int, tuple[float, list[str]]] = {}  # on calls not run yet: since, ids
         self.failing_since: float | None = None  # frees the agent has not taken
         self.minting = threading.Lock()
         self.refused = False  # an actor with a max_pending_calls limit: no mints
@@ -187,6 +196,8 @@ class CallerLeases:
         self._session: tuple[int, str] | None = None
         self._wake = threading.Condition(self._lock)
         self._flusher: threading.Thread | None = None
+        self._wakes_at = 0.0  # when the flusher's wait ends (inf: none queued); 0: awake
+        self._calls = 0  # calls that carried frees, numbering them
 
     def decorate(self, invocation: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
         """Ray's invocation decorator of an ``rd.method``."""
@@ -202,10 +213,13 @@ class CallerLeases:
             if freed:
                 kwargs[FREED_KW] = (pair.key, freed)
             try:
-                return invocation(args, kwargs)
+                refs = invocation(args, kwargs)
             except BaseException:
                 self._requeue(pair, freed)
                 raise
+            if freed:
+                self._carried(pair, freed, refs)
+            return refs
 
         return with_lease
 
@@ -264,6 +278,29 @@ class CallerLeases:
             self._start_flusher()
             self._wake.notify()
 
+    def _carried(self, pair: _Pair, freed: list[str], refs: Any) -> None:
+        """``freed`` rides on the call whose returns are ``refs``: kept until the
+        call has run, for the flusher to send on its own after ``_CARRIED_S``."""
+        first = refs[0] if isinstance(refs, list) and refs else refs
+        if not isinstance(first, ray.ObjectRef):  # a generator's: when it runs is unknown
+            self._requeue(pair, freed)
+            return
+        since = time.monotonic()
+        with self._lock:
+            self._calls += 1
+            call = self._calls
+            pair.carried[call] = (since, freed)
+            self._start_flusher()
+            if self._wakes_at > since + _CARRIED_S:  # asleep past this one's due time
+                self._wake.notify()
+        _ray.on_ready(first, lambda _error: self._ran(pair, call))
+
+    def _ran(self, pair: _Pair, call: int) -> None:
+        """The call numbered ``call`` has run, and so made the frees it carried
+        (on a Ray thread)."""
+        with self._lock:
+            pair.carried.pop(call, None)
+
     def _requeue(self, pair: _Pair, freed: list[str]) -> None:
         if freed:
             with self._lock:
@@ -283,12 +320,13 @@ class CallerLeases:
             self._flusher.start()
 
     def _flush_idle(self) -> None:
-        """Send the frees no call carried within ``_FLUSH_S``."""
+        """Send the frees no call carried within ``_FLUSH_S``, and those carried
+        on a call that has not run within ``_CARRIED_S``."""
         while True:
             with self._lock:
                 due, wait = self._due(time.monotonic())
                 if not due:
-                    woken = self._wake.wait(wait if wait is not None else _IDLE_S)
+                    woken = self._sleep(wait if wait is not None else _IDLE_S)
                     if woken or wait is not None:
                         continue
             if due:
@@ -299,8 +337,16 @@ class CallerLeases:
             # open, to agents that may die meanwhile, until frees come again.
             _channel.close_cached()
             with self._lock:
-                while not any(p.freed for p in self._pairs.values()):
-                    self._wake.wait()
+                while not any(p.freed or p.carried for p in self._pairs.values()):
+                    self._sleep(None)
+
+    def _sleep(self, timeout: float | None) -> bool:
+        """Under the lock: the flusher waits ``timeout`` (None: until woken)."""
+        self._wakes_at = math.inf if timeout is None else time.monotonic() + timeout
+        try:
+            return self._wake.wait(timeout)
+        finally:
+            self._wakes_at = 0.0  # it looks at every pair before it sleeps again
 
     def _send(self, pair: _Pair, freed: list[str]) -> None:
         """To the producer's agent; queued again if it did not take them."""
@@ -337,18 +383,26 @@ class CallerLeases:
             self._requeue(pair, freed)
 
     def _due(self, now: float) -> tuple[list[tuple[_Pair, list[str]]], float | None]:
-        """The frees to send now; else how long until the next is due (None: none queued)."""
-        due, wait = [], None
+        """The frees to send now, one list per pair; else how long until the next
+        is due (None: none queued)."""
+        due: dict[_Pair, list[str]] = {}
+        wait: float | None = None
+
+        def look(pair: _Pair, at: float, ids: list[str]) -> bool:
+            nonlocal wait
+            if at > now:
+                wait = at - now if wait is None else min(wait, at - now)
+                return False
+            due.setdefault(pair, []).extend(ids)
+            return True
+
         for pair in self._pairs.values():
-            if not pair.freed:
-                continue
-            left = pair.freed_since + _FLUSH_S - now
-            if left <= 0:
-                due.append((pair, pair.freed))
+            if pair.freed and look(pair, pair.freed_since + _FLUSH_S, pair.freed):
                 pair.freed = []
-            else:
-                wait = left if wait is None else min(wait, left)
-        return due, wait
+            for call, (since, ids) in list(pair.carried.items()):
+                if look(pair, since + _CARRIED_S, ids):
+                    del pair.carried[call]
+        return list(due.items()), wait
 
     def forget_after_fork(self) -> None:
         """The pairs belong to the parent's Ray session; its flusher is gone."""
@@ -357,6 +411,7 @@ class CallerLeases:
         self._pairs = {}
         self._session = None
         self._flusher = None
+        self._wakes_at = 0.0
 
 
 caller_leases = CallerLeases()

@@ -254,6 +254,15 @@ def max_pending_calls(handle: ray.actor.ActorHandle) -> int:
     return int(proto.max_pending_calls)
 
 
+def on_ready(ref: ray.ObjectRef, callback: Callable[[BaseException | None], None]) -> None:
+    """Run ``callback(None)`` on a Ray thread once ``ref``'s object exists (its
+    task has run), or ``callback(error)`` when Ray cannot tell; at once when it
+    exists already. Fetches nothing and holds no reference: ``ref``'s object is
+    freed as if nobody waited (Ray 2.60's private ``ObjectRef._on_ready``;
+    tests/test_caller_leases.py fails if an upgrade drops it)."""
+    ref._on_ready(callback)
+
+
 def set_invocation_decorator(
     method: Any, decorator: Callable[[Callable[..., Any]], Callable[..., Any]]
 ) -> None:
