@@ -10,6 +10,7 @@ import os
 import signal
 import threading
 
+import pytest
 import ray
 import torch
 
@@ -181,13 +182,17 @@ def test_a_method_waiting_for_a_free_is_not_blocked_by_it(pair):
     assert ray.get(waiting) == "freed"
 
 
+@pytest.mark.parametrize("ready_callback", ["from Ray", "refused"])
 def test_a_free_carried_by_a_call_queued_behind_the_method_waiting_for_it_arrives(
-    pair, monkeypatch
+    pair, monkeypatch, ready_callback
 ):
     """A trainer's step waits for its last weights to be freed, and the call for
     its next weights goes out at once: the free rides on that call, which runs
-    only after the step. It reaches the producer's agent all the same."""
+    only after the step. It reaches the producer's agent all the same; so it
+    does where Ray refuses the callback that says when a call has run."""
     monkeypatch.setattr(_caller_leases, "_FLUSH_S", 600.0)  # it waits for a call to carry it
+    if ready_callback == "refused":
+        monkeypatch.setattr(_ray, "on_ready", _refused)
     p, _ = pair
     ref = p.keep.remote("stepped")
     rd.get(ref)
@@ -209,6 +214,10 @@ def test_rays_ready_callback_is_there(ray_session):
     ref = ray.put(1)
     _ray.on_ready(ref, lambda error: ran.set() if error is None else None)
     assert ran.wait(30)
+
+
+def _refused(ref, callback) -> None:
+    raise AttributeError("'ObjectRef' object has no attribute '_on_ready'")
 
 
 def _queued_frees() -> int:

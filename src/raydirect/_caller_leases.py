@@ -293,7 +293,10 @@ class CallerLeases:
             self._start_flusher()
             if self._wakes_at > since + _CARRIED_S:  # asleep past this one's due time
                 self._wake.notify()
-        _ray.on_ready(first, lambda _error: self._ran(pair, call))
+        try:
+            _ray.on_ready(first, lambda _error: self._ran(pair, call))
+        except Exception:  # the call went out: never fail it; the flusher sends them
+            log.debug("raydirect: no ready callback for a call carrying frees", exc_info=True)
 
     def _ran(self, pair: _Pair, call: int) -> None:
         """The call numbered ``call`` has run, and so made the frees it carried
