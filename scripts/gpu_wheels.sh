@@ -14,7 +14,7 @@
 #   SET=device      only what the workplace's GPU machine lacks (docs/gpu.md, "On the
 #                   workplace's GPU machine"): ray repacked, pyzmq, jsonschema and its
 #                   three dependencies, cryptography with cffi and pycparser, raydirect;
-#                   everything --no-deps. About 50 MiB, under the 64 MiB one device call
+#                   everything --no-deps. About 52 MiB, under the 64 MiB one device call
 #                   carries; NIXL (56 MiB) goes in a second call. Checked against the
 #                   machine's package list (scripts/gpu_wheels_check.py, which fails
 #                   naming what is missing)
@@ -23,9 +23,9 @@
 #   PYTHON          the interpreter that runs pip here (default python3)
 #
 # What goes in OUT_DIR: ray (the version pyproject.toml pins, repacked without its
-# Java jars and dashboard build: `zip -d ray-*.whl 'ray/jars/*'
-# 'ray/dashboard/client/build/*'`, done in Python so the wheel's RECORD stays
-# consistent), every dependency of ray[default], pyzmq, numpy, pytest and
+# Java jars, 31 of its 75 MiB: `zip -d ray-*.whl 'ray/jars/*'`, done in Python so the
+# wheel's RECORD stays consistent; its dashboard build stays, 2.4 MiB: without it a
+# plain ray.init() waits 60 s for a dashboard that cannot start), every dependency of ray[default], pyzmq, numpy, pytest and
 # pytest-timeout; raydirect itself (pip wheel --no-deps .); and in OUT_DIR/nixl
 # the optional NIXL wheels (nixl-cu12, and the small `nixl` alias that Ray's RDT
 # imports). Never torch, triton or CUDA libraries: the GPU machine keeps its own.
@@ -98,28 +98,9 @@ fi
 # Nothing above needs them, but never ship a second torch or CUDA stack.
 rm -f "$out"/torch-*.whl "$out"/triton-*.whl "$out"/nvidia_*.whl
 
-echo "gpu_wheels: repacking ray without ray/jars and ray/dashboard/client/build"
+echo "gpu_wheels: repacking ray without ray/jars"
 for wheel in "$out"/ray-*.whl; do
-  "$python" - "$wheel" <<'EOF'
-import os
-import sys
-import zipfile
-
-path = sys.argv[1]
-drop = ("ray/jars/", "ray/dashboard/client/build/")
-before = os.path.getsize(path)
-with zipfile.ZipFile(path) as src, zipfile.ZipFile(path + ".tmp", "w") as dst:
-    for item in src.infolist():
-        if item.filename.startswith(drop):
-            continue
-        data = src.read(item)
-        if item.filename.endswith(".dist-info/RECORD"):
-            lines = data.decode().splitlines(keepends=True)
-            data = "".join(line for line in lines if not line.startswith(drop)).encode()
-        dst.writestr(item, data)  # keeps each entry's compression and permissions
-os.replace(path + ".tmp", path)
-print(f"  {os.path.basename(path)}: {before >> 20} MiB -> {os.path.getsize(path) >> 20} MiB")
-EOF
+  "$python" "$here/scripts/gpu_repack.py" "$wheel"
 done
 
 echo "gpu_wheels: raydirect from $here"

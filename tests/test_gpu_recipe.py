@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,3 +50,23 @@ def test_the_imports_of_the_gpu_run_are_read_through_local_modules():
     # raydirect's own, the benchmark's (through rdbench) and the tests' (through conftest)
     assert {"torch", "ray", "zmq", "cryptography", "numpy", "pytest"} <= modules
     assert not {"raydirect", "rdbench", "helpers", "actors"} & modules
+
+
+def test_the_repacked_ray_keeps_its_dashboard_build(tmp_path):
+    """The device set's Ray drops its Java jars and nothing else: without the
+    dashboard build, a plain ``ray.init()`` on the GPU machine waited 60 s for a
+    dashboard that could not start (seen in a rehearsal on the CPU)."""
+    wheel = tmp_path / "ray-2.60.0-cp312-cp312-manylinux2014_x86_64.whl"
+    kept = ["ray/__init__.py", "ray/dashboard/client/build/index.html"]
+    with zipfile.ZipFile(wheel, "w") as z:
+        for name in [*kept, "ray/jars/ray_dist.jar"]:
+            z.writestr(name, b"x" * 100)
+        record = "".join(f"{n},sha256=x,100\n" for n in [*kept, "ray/jars/ray_dist.jar"])
+        z.writestr("ray-2.60.0.dist-info/RECORD", record)
+    done = _run([sys.executable, str(ROOT / "scripts/gpu_repack.py"), str(wheel)])
+    assert done.returncode == 0, done.stdout + done.stderr
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+        record = z.read("ray-2.60.0.dist-info/RECORD").decode()
+    assert set(kept) <= names and "ray/jars/ray_dist.jar" not in names
+    assert "ray/dashboard/client/build/index.html" in record and "jars" not in record
