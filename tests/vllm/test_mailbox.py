@@ -16,6 +16,7 @@ import ray
 from ray import cloudpickle
 
 from raydirect.vllm.mailbox import RaydirectMailbox
+from raydirect.vllm.trainer import _mailbox_at_rank0
 
 from helpers import wait_for
 
@@ -87,3 +88,16 @@ def test_a_rank_that_cannot_publish_is_known_at_once(mailbox: tuple[Any, list[An
     assert all("rank 0 could not publish version 3: its source raised" in s for s in said)
     with pytest.raises(ray.exceptions.RayTaskError, match="rank 0 could not publish"):
         ray.get(taken, timeout=SOON)
+
+
+def test_a_trainer_made_again_under_its_name_replaces_its_mailbox(ray_session: None) -> None:
+    """trainer_init kills the mailbox an earlier trainer of its name left, and
+    makes its own: ray.kill returns before Ray lets the name go, and the new one
+    made at once failed now and then with ActorAlreadyExistsError (seen in CI)."""
+    name = "mailbox-made-again"
+    boxes = []
+    for _ in range(3):  # each a new process importing vLLM: about 6 s here
+        boxes.append(_mailbox_at_rank0(name, 1))
+        assert ray.get(boxes[-1].ranks.remote(), timeout=SOON) == 1
+    assert ray.get_actor(name)._actor_id == boxes[-1]._actor_id
+    ray.kill(boxes[-1])

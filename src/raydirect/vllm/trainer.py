@@ -57,6 +57,10 @@ class RaydirectTrainerInitInfo(TrainerInitInfo):
     dtype: str | None = None
 
 
+_NAME_FREED_S = 30.0  # for Ray to let go the name of an earlier trainer's mailbox
+_NAME_POLL_S = 0.01
+
+
 def _ray_ready() -> None:
     if not ray.is_initialized():
         raise rd.WeightSyncError(
@@ -77,10 +81,23 @@ def _barrier() -> None:
 def _mailbox_at_rank0(name: str, ranks: int) -> Any:
     """Rank 0's mailbox, made fresh: one left by an earlier trainer of the same
     name is replaced (its versions are of no use to this one). Rank 0 owns it, so
-    it goes when rank 0 does: nothing is left behind."""
-    with contextlib.suppress(ValueError):  # none yet
-        ray.kill(ray.get_actor(name))
-    return RaydirectMailbox.options(name=name).remote(ranks)  # type: ignore[attr-defined]
+    it goes when rank 0 does: nothing is left behind. ``ray.kill`` returns before
+    Ray lets the name go, so the new one is made once it has: made at once, it
+    failed now and then with ``ActorAlreadyExistsError``."""
+    deadline = time.monotonic() + _NAME_FREED_S
+    while True:
+        try:
+            ray.kill(ray.get_actor(name))
+        except ValueError:  # the name is free, or was a moment ago
+            with contextlib.suppress(ray.exceptions.ActorAlreadyExistsError):
+                return RaydirectMailbox.options(name=name).remote(ranks)  # type: ignore[attr-defined]
+        if time.monotonic() > deadline:
+            raise rd.WeightSyncError(
+                f"the mailbox {name!r} of an earlier trainer still holds its name "
+                f"{_NAME_FREED_S:.0f} s after it was killed: is another trainer of that name "
+                "starting? Give each trainer its own name= in its init info"
+            )
+        time.sleep(_NAME_POLL_S)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
