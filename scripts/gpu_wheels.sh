@@ -23,11 +23,10 @@
 #   PYTHON          the interpreter that runs pip here (default python3)
 #
 # What goes in OUT_DIR: ray (the version pyproject.toml pins, repacked without its
-# Java jars, 31 of its 75 MiB: `zip -d ray-*.whl 'ray/jars/*'`, done in Python so the
-# wheel's RECORD stays consistent; its dashboard build stays, 2.4 MiB: without it a
-# plain ray.init() waits 60 s for a dashboard that cannot start), every dependency of ray[default], pyzmq, numpy, pytest and
-# pytest-timeout; raydirect itself (pip wheel --no-deps .); and in OUT_DIR/nixl
-# the optional NIXL wheels (nixl-cu12, and the small `nixl` alias that Ray's RDT
+# Java jars by scripts/gpu_repack.py, which says why the dashboard build stays),
+# every dependency of ray[default], pyzmq, numpy, pytest and pytest-timeout;
+# raydirect itself (pip wheel --no-deps .); and in OUT_DIR/nixl the optional NIXL
+# wheels (nixl-cu12, and the small `nixl` alias that Ray's RDT
 # imports). Never torch, triton or CUDA libraries: the GPU machine keeps its own.
 # MANIFEST.txt records the Python version, platforms, commit and checksums.
 set -euo pipefail

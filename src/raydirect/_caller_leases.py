@@ -389,12 +389,11 @@ class CallerLeases:
         """The frees to send now, one list per pair; else how long until the next
         is due (None: none queued)."""
         due: dict[_Pair, list[str]] = {}
-        wait: float | None = None
+        waits: list[float] = []
 
         def look(pair: _Pair, at: float, ids: list[str]) -> bool:
-            nonlocal wait
             if at > now:
-                wait = at - now if wait is None else min(wait, at - now)
+                waits.append(at - now)
                 return False
             due.setdefault(pair, []).extend(ids)
             return True
@@ -405,7 +404,7 @@ class CallerLeases:
             for call, (since, ids) in list(pair.carried.items()):
                 if look(pair, since + _CARRIED_S, ids):
                     del pair.carried[call]
-        return list(due.items()), wait
+        return list(due.items()), min(waits, default=None)
 
     def forget_after_fork(self) -> None:
         """The pairs belong to the parent's Ray session; its flusher is gone."""

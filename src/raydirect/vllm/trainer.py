@@ -86,11 +86,10 @@ def _mailbox_at_rank0(name: str, ranks: int) -> Any:
     failed now and then with ``ActorAlreadyExistsError``."""
     deadline = time.monotonic() + _NAME_FREED_S
     while True:
-        try:
+        with contextlib.suppress(ValueError):  # none there (any more)
             ray.kill(ray.get_actor(name))
-        except ValueError:  # the name is free, or was a moment ago
-            with contextlib.suppress(ray.exceptions.ActorAlreadyExistsError):
-                return RaydirectMailbox.options(name=name).remote(ranks)  # type: ignore[attr-defined]
+        with contextlib.suppress(ray.exceptions.ActorAlreadyExistsError):  # not let go yet
+            return RaydirectMailbox.options(name=name).remote(ranks)  # type: ignore[attr-defined]
         if time.monotonic() > deadline:
             raise rd.WeightSyncError(
                 f"the mailbox {name!r} of an earlier trainer still holds its name "
