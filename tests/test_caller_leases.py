@@ -135,6 +135,28 @@ def test_the_callers_death_frees_its_objects(ray_session):
     ray.kill(p)
 
 
+def test_a_read_through_a_dead_callers_ref_is_refused_never_another_objects_bytes(
+    ray_session,
+):
+    """A holder read an object once, so Ray keeps its Payload there; then the
+    caller that owned the ref died, and the producer freed the object and made
+    another in its memory. Ray still hands the holder the Payload: the read must
+    fail, not return what lies at those addresses now (it did: another object's
+    bytes, found by a randomised stress of leases)."""
+    p, caller, holder = Producer.remote(), Caller.remote(), Holder.remote()
+    ray.get(caller.hand_over.remote(p, holder))
+    assert ray.get(holder.check.remote(3.0))
+    os.kill(ray.get(caller.pid.remote()), signal.SIGKILL)
+    wait_for(lambda: ray.get(p.held.remote()) == 0, timeout=60, what="freed after its caller died")
+    later = [p.value.remote(9) for _ in range(4)]  # in the memory the freed one had
+    assert [float(v[0]) for v in rd.get(later)] == [9.0] * 4
+    with pytest.raises(rd.ProducerLostError, match="freed the object"):
+        ray.get(holder.check.remote(3.0), timeout=60)
+    del later
+    ray.kill(p)
+    ray.kill(holder)
+
+
 def test_a_call_without_the_decorator_takes_the_producers_own_lease(ray_session):
     p = Producer.remote()
     [ref] = ray.get(p.own_call.remote())

@@ -16,6 +16,12 @@ go (``release``, from the store's free). A read after the free gets
 ``ProducerLostError`` naming the lifetime (``store.why_freed``), never stale or foreign
 bytes.
 
+Every object read over ``cma`` has a seal (``seal``), lifetime or not: a reader
+may hold an object's Payload after the object was freed. Ray keeps a borrowed
+value in the borrower when the process that owned its ref dies, and that death
+frees the object (``_caller_leases``); the producer's memory is then another
+object's. The seal makes such a read fail with ``ProducerLostError`` instead.
+
 A read counts when the producer learns of it: an ``shm`` or ``tcp`` read when
 its agent serves it, a read in this process when it is made, a ``cma`` read when
 its notice arrives (``_notices``: 2-20 ms after it). So a read that starts
@@ -32,6 +38,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from raydirect._region_seals import seals
 from raydirect._store import Serving, StoredObject, store
@@ -85,11 +92,16 @@ def check_transport(transport: str) -> None:
         )
 
 
+def seal(obj: StoredObject, cma_meta: dict[str, Any]) -> None:
+    """Give ``obj`` a seal, named in its ``cma`` metadata; zeroed first when it is
+    freed (``Lifetimes.release``)."""
+    obj.seal, cma_meta["seal"] = seals.take(cma.seal_value(obj.obj_id, obj.capability))
+
+
 @dataclass
 class _Tracked:
     obj: StoredObject
     lifetime: Lifetime
-    slot: int  # its seal's
     reads_left: int | None
     ended: bool = False  # by a read or the clock: the other no longer ends it
 
@@ -103,13 +115,11 @@ class Lifetimes:
         self._deadlines: list[tuple[float, bytes]] = []
         self._clock: threading.Thread | None = None
 
-    def start(self, obj: StoredObject, lifetime: Lifetime) -> int:
-        """Guard ``obj`` (not yet in the store) and start its lifetime; returns
-        the address of its seal, for its ``cma`` metadata."""
+    def start(self, obj: StoredObject, lifetime: Lifetime) -> None:
+        """Guard ``obj`` (not yet in the store) and start its lifetime."""
         obj.live = Serving()
-        slot, address = seals.take(cma.seal_value(obj.obj_id, obj.capability))
         with self._lock:
-            self._tracked[obj.obj_id] = _Tracked(obj, lifetime, slot, lifetime.reads)
+            self._tracked[obj.obj_id] = _Tracked(obj, lifetime, lifetime.reads)
             if lifetime.ttl is not None:
                 heapq.heappush(self._deadlines, (time.monotonic() + lifetime.ttl, obj.obj_id))
                 self._start_clock()
@@ -117,7 +127,6 @@ class Lifetimes:
                 # (a thread switch each, on the producer's path), it only waited again.
                 if self._deadlines[0][1] == obj.obj_id:
                     self._lock.notify_all()
-        return address
 
     def count_read(self, obj: StoredObject) -> None:
         """One read of ``obj`` made; the last its lifetime allows frees it. Free
@@ -137,6 +146,8 @@ class Lifetimes:
     def release(self, obj: StoredObject) -> None:
         """On ``obj``'s free (the reaper): no cross-memory read succeeds from now
         on, and none the agent serves still copies from its memory on return."""
+        if obj.seal is not None:
+            seals.release(obj.seal)
         with self._lock:
             tracked = self._tracked.pop(obj.obj_id, None)
             # An object freed by its reads leaves its deadline in the heap until
@@ -146,7 +157,6 @@ class Lifetimes:
                 heapq.heapify(self._deadlines)
         if tracked is None or obj.live is None:
             return
-        seals.release(tracked.slot)
         while not obj.live.close(_WAIT_LOG_S):  # each is a bounded copy: never gives up
             log.warning("raydirect: freeing %s waits for reads its agent still copies", obj.label)
 

@@ -27,7 +27,7 @@ import torch
 from raydirect import _groups, _process, _ray, _runtime, _server, _wire
 from raydirect._collector import collector_paused
 from raydirect._lease import leases
-from raydirect._lifetime import TRANSPORTS, Lifetime, lifetimes
+from raydirect._lifetime import TRANSPORTS, Lifetime, lifetimes, seal
 from raydirect._payload import (
     PREPARING,
     InlineValue,
@@ -258,6 +258,8 @@ def _export(
             transport_meta = _extract_all(obj, transport, parts, plugin)
         else:
             transport_meta = _guarded(obj, lifetime)
+        if "cma" in transport_meta:
+            seal(obj, transport_meta["cma"])
         lease = _lease_for(obj.obj_id, caller_lease) if leased else None
     except BaseException:
         store.free(obj.obj_id)
@@ -306,10 +308,10 @@ def _check_host_only(metas: Any, label: str) -> None:
 def _guarded(obj: StoredObject, lifetime: Lifetime) -> dict[str, Any]:
     """Start ``obj``'s lifetime; the metadata its readers need, as a region's:
     ``cma`` checks the seal, ``shm`` and ``tcp`` reads are copied out by the agent."""
-    seal = lifetimes.start(obj, lifetime)
+    lifetimes.start(obj, lifetime)
     cross = transport_instance("cma").extract_tensor_transport_metadata(obj.obj_id, obj.buffers)  # type: ignore[arg-type]
     return {
-        "cma": {**cross.extra, "seal": seal, "lifetime": lifetime.describe()},
+        "cma": {**cross.extra, "lifetime": lifetime.describe()},
         "shm": {"live": True},
     }
 
@@ -395,7 +397,7 @@ def _release_state(obj: StoredObject) -> None:
     """Let every transport that set something up for ``obj`` release it, and
     abort its two-sided sends still running: freed, nobody can want them, and a
     consumer's abort that arrives after the free finds no object to abort.
-    One with a lifetime is first closed to reads (``_lifetime``)."""
+    First its seal is zeroed, and one with a lifetime closed to reads (``_lifetime``)."""
     lifetimes.release(obj)
     abort_sends(obj)
     for name, meta in list(obj.transport_state.items()):

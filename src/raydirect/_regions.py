@@ -216,7 +216,8 @@ def _handle_of(
     """What a reader needs: where the tensors are, the seal to check, the agent."""
     cross = transport_instance("cma")  # its addresses, and the seal
     meta = cross.extract_tensor_transport_metadata(obj.obj_id, obj.buffers).extra  # type: ignore[arg-type]
-    encoded, frames = encode_meta({"cma": {**meta, "seal": seal}, "shm": {"live": True}})
+    cma_meta = {**meta, "seal": seal, "region": True}  # "region": what a failed seal says
+    encoded, frames = encode_meta({"cma": cma_meta, "shm": {"live": True}})
     return RegionHandle(
         region=obj.obj_id.hex(),
         capability=obj.capability.hex(),

@@ -132,6 +132,9 @@ class StoredObject:
     # Transport metadata still being prepared in the background, by transport name.
     preparing: dict[str, Future[Any]] = field(default_factory=dict)
     freed: bool = False  # set under ``lock`` before its transport state is released
+    # Its seal's slot (``_region_seals``), zeroed first when it is freed: a ``cma``
+    # reader still holding its Payload then reads nothing (``transports.cma``).
+    seal: int | None = None
     # A region's (``_regions``): its bytes change, and closing waits for the reads
     # served from it; None for an object (its bytes are fixed once exported).
     live: Serving | None = None

@@ -11,7 +11,9 @@ refuses, this raises ``TransportUnavailableError`` and ``auto`` uses ``shm``.
 A region (``rd.export_region``) is read while its owner may close it, and the
 owner may reuse the memory once ``close`` returns. Its metadata names a *seal*:
 8 bytes in the owner's memory that hold ``seal_value(id, capability)`` while the
-region is open and are zeroed by ``close`` before it returns. A read checks the
+region is open and are zeroed by ``close`` before it returns. An object has one
+too, zeroed when it is freed: a reader may hold its Payload after that (Ray
+keeps a borrowed value whose owner died, and that death freed the object). A read checks the
 seal before it starts (a closed region, or a handle whose id or capability is
 not the region's, reads nothing) and again after its last byte has landed, as a
 seqlock's reader does: if the seal still holds then, ``close`` had not begun
@@ -311,7 +313,13 @@ def _gone(extra: dict[str, Any]) -> str:
     lifetime = extra.get("lifetime")
     if lifetime:
         return f"freed the object: its lifetime (rd.method({lifetime})) ended"
-    return "holds no such region (it was closed)"
+    if extra.get("region"):
+        return "holds no such region (it was closed)"
+    # Ray still hands out a borrowed value whose owner died; that death freed it.
+    return (
+        "freed the object: Ray counted no ref to it left (the process that owned this "
+        "ref, the one that made the call or rd.put, died or dropped it)"
+    )
 
 
 def _pack_addresses(addresses: np.ndarray) -> bytes:
