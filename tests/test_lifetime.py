@@ -205,3 +205,48 @@ def test_an_shm_fetch_served_after_its_free_answers_lost_and_stages_no_segment(r
     assert shm_segments() == segments  # no segment staged for it
     pool = transport_instance("shm")._pool
     assert pool is None or obj.obj_id not in pool._used
+
+
+@ray.remote(num_cpus=0)
+class StagedThenFreed:
+    @rd.method(tensor_transport="shm")
+    def value(self) -> torch.Tensor:
+        return torch.full((1 << 18,), 3.0)  # 1 MiB
+
+    def free_and_restage(self) -> int:
+        """Free every object held here, as a lease's callback does (here while the
+        driver still holds the ref, as when the ref's owner died), then stage
+        other bytes into each segment that went back to the pool, as the agent
+        does for the next object."""
+        from raydirect._store import store
+        from raydirect.transports.registry import transport_instance
+
+        for obj_id in list(store._objects):
+            store.free(obj_id)
+        pool = transport_instance("shm")._pool
+        reused = [pool.acquire(f"next-{i}".encode(), 1 << 20) for i in range(len(pool._idle))]
+        for seg in reused:
+            seg.view.fill_(7)
+        return len(reused)
+
+
+def test_an_shm_copy_that_races_the_free_and_a_restaging_raises(ray_session, monkeypatch):
+    """The reader got the segment's name, then the object was freed and another
+    staged into the segment before the reader copied it out: the copy must raise,
+    not return the other bytes (the segment's tag, ``transports.shm``)."""
+    p = StagedThenFreed.remote()
+    ref = p.value.remote()
+    shm = transport_instance("shm")
+    mapped = shm._mapped.view
+
+    def view_then_free(name: str, size: int) -> torch.Tensor:
+        seg = mapped(name, size)
+        assert ray.get(p.free_and_restage.remote()) >= 1  # the segment went back, was reused
+        return seg
+
+    monkeypatch.setattr(shm._mapped, "view", view_then_free)
+    with pytest.raises(rd.ProducerLostError, match="freed the object"):
+        rd.get(ref, timeout=30)
+    monkeypatch.undo()
+    del ref
+    ray.kill(p)

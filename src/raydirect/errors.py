@@ -81,6 +81,12 @@ class TransportUnavailableError(RaydirectError):
     """The consumer cannot use the transport an object needs, and no fallback applies."""
 
 
+FREED_WHILE_HELD = (
+    "freed the object: Ray counted no ref to it left (the process that owned this ref, "
+    "the one that made the call or rd.put, died or dropped it)"
+)
+
+
 class ProducerLostError(RaydirectError):
     """The producer of an object died, restarted, or no longer holds the object.
 
@@ -98,6 +104,13 @@ class ProducerLostError(RaydirectError):
             f"the producer {who} {what_happened}; the object's tensors are lost. "
             "Re-run the producer to make them again."
         )
+
+    @classmethod
+    def freed_while_held(cls, who: str) -> ProducerLostError:
+        """Raised in a consumer whose ``cma`` or ``shm`` read found the object freed
+        though it holds a ref: Ray still hands out a borrowed value whose owner
+        died, and that death freed the object (``_caller_leases``)."""
+        return cls.of(who, FREED_WHILE_HELD)
 
     @classmethod
     def of_region(cls, region: str, what_happened: str) -> ProducerLostError:

@@ -37,7 +37,12 @@ import torch
 
 from raydirect import _compression as compression
 from raydirect._ranges import ByteViews, Ranges
-from raydirect.errors import ProducerLostError, TransferError, TransportUnavailableError
+from raydirect.errors import (
+    FREED_WHILE_HELD,
+    ProducerLostError,
+    TransferError,
+    TransportUnavailableError,
+)
 from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
 _IOV_MAX = 1024
@@ -315,11 +320,7 @@ def _gone(extra: dict[str, Any]) -> str:
         return f"freed the object: its lifetime (rd.method({lifetime})) ended"
     if extra.get("region"):
         return "holds no such region (it was closed)"
-    # Ray still hands out a borrowed value whose owner died; that death freed it.
-    return (
-        "freed the object: Ray counted no ref to it left (the process that owned this "
-        "ref, the one that made the call or rd.put, died or dropped it)"
-    )
+    return FREED_WHILE_HELD
 
 
 def _pack_addresses(addresses: np.ndarray) -> bytes:

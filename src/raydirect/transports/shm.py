@@ -63,6 +63,13 @@ _IDLE_CAP_BYTES = 2 << 30  # idle segments kept for reuse, per process
 _COPY_SLICE = 64 << 20  # copies are cut so a deadline is noticed
 _MAPPED_SEGMENTS = 8  # consumer: segments kept mapped for reuse
 _SWEEP_S = 0.5  # consumer: how often mapped segments are checked for unlinking
+# A staged segment ends with the id of the object it holds, written after its
+# bytes and zeroed when the segment goes back to the pool. A consumer checks it
+# before and after it copies out, as a seqlock's reader does: a copy that raced
+# the object's free and another object's staging there raises instead of
+# returning those bytes. Such a free comes while a reader holds a ref when Ray
+# hands a borrower a value whose owner died, and that death freed the object.
+_TAG = 16
 
 
 def segment_size(nbytes: int) -> int:
@@ -134,6 +141,7 @@ class SegmentPool:
             seg = self._used.pop(obj_id, None)
             if seg is None:
                 return
+            seg.view[seg.size - _TAG :].zero_()  # no longer the object's (``_TAG``)
             self._idle.append(seg)
             idle = sum(s.size for s in self._idle)
             while idle > _IDLE_CAP_BYTES and self._idle:
@@ -255,9 +263,16 @@ def _checked_reply(header: dict[str, Any], ranges: Ranges, who: str) -> tuple[st
     if len(ranges.index) and int(ranges.index.max()) >= len(offsets):
         raise TransferError(f"corrupt reply from {who}: tensor offsets outside the segment")
     ends = ranges.offset + (ranges.count - 1) * ranges.stride + ranges.length
-    if len(offsets) and ((offsets < 0).any() or (offsets[ranges.index] + ends > size).any()):
+    room = size - _TAG
+    if len(offsets) and ((offsets < 0).any() or (offsets[ranges.index] + ends > room).any()):
         raise TransferError(f"corrupt reply from {who}: tensor offsets outside the segment")
     return name, size, offsets
+
+
+def _check_tag(tag: np.ndarray, obj_id: bytes, who: str) -> None:
+    """``ProducerLostError`` unless a staged segment still holds ``obj_id`` (``_TAG``)."""
+    if tag.tobytes() != obj_id:
+        raise ProducerLostError.freed_while_held(who)
 
 
 _MARK = 16  # bytes of the reader's mark at its segment's end
@@ -304,9 +319,10 @@ class ShmTransport(ByteTransport):
             state = obj.transport_state.get(self.name)
             if state is None:
                 offsets, total = arena_layout(obj.metas)
-                seg = self._segments().acquire(obj.obj_id, total)
+                seg = self._segments().acquire(obj.obj_id, total + _TAG)
                 for buf, off in zip(obj.buffers, offsets, strict=True):
                     _copy_sliced(seg.view[off : off + buf.numel()], buf)
+                seg.view[seg.size - _TAG :].numpy()[:] = np.frombuffer(obj.obj_id, np.uint8)
                 state = {"segment": seg.name, "size": seg.size, "offsets": offsets}
                 obj.transport_state[self.name] = state
         reply.send({"ok": True, **state})
@@ -346,7 +362,10 @@ class ShmTransport(ByteTransport):
         except (OSError, ValueError) as exc:  # no such segment, or smaller than the reply says
             link.check_alive("died (its segment is gone)")
             raise TransferError(f"corrupt reply from {who}: segment {name!r}: {exc}") from exc
+        tag = seg[size - _TAG :].numpy()
+        _check_tag(tag, obj_id, who)
         copy_runs(*ranges.runs(seg.data_ptr() + offsets), link.check_deadline)
+        _check_tag(tag, obj_id, who)
 
     def _receive_live(self, obj_id: bytes, link: PeerMetadata, ranges: Ranges) -> None:
         """A region's read: the owner's agent copies the rows into a segment of
