@@ -13,12 +13,12 @@ owner may reuse the memory once ``close`` returns. Its metadata names a *seal*:
 8 bytes in the owner's memory that hold ``seal_value(id, capability)`` while the
 region is open and are zeroed by ``close`` before it returns. An object has one
 too, zeroed when it is freed: a reader may hold its Payload after that (Ray
-keeps a borrowed value whose owner died, and that death freed the object). A read checks the
-seal before it starts (a closed region, or a handle whose id or capability is
-not the region's, reads nothing) and again after its last byte has landed, as a
-seqlock's reader does: if the seal still holds then, ``close`` had not begun
-when the last byte was read, so every byte is the region's, never memory its
-owner had handed to something else.
+keeps a borrowed value whose owner died, and that death freed the object). A
+read checks the seal before it starts (a closed region, or a handle whose id or
+capability is not the region's, reads nothing) and again after its last byte
+has landed, as a seqlock's reader does: if the seal still holds then, ``close``
+had not begun when the last byte was read, so every byte is the region's, never
+memory its owner had handed to something else.
 """
 
 from __future__ import annotations
