@@ -14,13 +14,8 @@ the agent copies the reads it serves (``shm``, ``tcp``) out under ``Serving``,
 and the free zeroes the seal and waits for those copies before the memory can
 go (``release``, from the store's free). A read after the free gets
 ``ProducerLostError`` naming the lifetime (``store.why_freed``), never stale or foreign
-bytes.
-
-Every object read over ``cma`` has a seal (``seal``), lifetime or not: a reader
-may hold an object's Payload after the object was freed. Ray keeps a borrowed
-value in the borrower when the process that owned its ref dies, and that death
-frees the object (``_caller_leases``); the producer's memory is then another
-object's. The seal makes such a read fail with ``ProducerLostError`` instead.
+bytes. The seal is every object's (``Store.seal``); what a lifetime adds is
+``Serving``.
 
 A read counts when the producer learns of it: an ``shm`` or ``tcp`` read when
 its agent serves it, a read in this process when it is made, a ``cma`` read when
@@ -38,11 +33,8 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
-from raydirect._region_seals import seals
 from raydirect._store import Serving, StoredObject, store
-from raydirect.transports import cma
 
 log = logging.getLogger("raydirect")
 
@@ -92,12 +84,6 @@ def check_transport(transport: str) -> None:
         )
 
 
-def seal(obj: StoredObject, cma_meta: dict[str, Any]) -> None:
-    """Give ``obj`` a seal, named in its ``cma`` metadata; zeroed first when it is
-    freed (``Lifetimes.release``)."""
-    obj.seal, cma_meta["seal"] = seals.take(cma.seal_value(obj.obj_id, obj.capability))
-
-
 @dataclass
 class _Tracked:
     obj: StoredObject
@@ -144,10 +130,8 @@ class Lifetimes:
             self._end(obj.obj_id, f"after its {reads} read{'s' if reads != 1 else ''}", tracked)
 
     def release(self, obj: StoredObject) -> None:
-        """On ``obj``'s free (the reaper): no cross-memory read succeeds from now
-        on, and none the agent serves still copies from its memory on return."""
-        if obj.seal is not None:
-            seals.release(obj.seal)
+        """On ``obj``'s free (the reaper), after the store released its seal: no
+        read the agent serves still copies from its memory on return."""
         with self._lock:
             tracked = self._tracked.pop(obj.obj_id, None)
             # An object freed by its reads leaves its deadline in the heap until

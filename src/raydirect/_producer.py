@@ -27,7 +27,7 @@ import torch
 from raydirect import _groups, _process, _ray, _runtime, _server, _wire
 from raydirect._collector import collector_paused
 from raydirect._lease import leases
-from raydirect._lifetime import TRANSPORTS, Lifetime, lifetimes, seal
+from raydirect._lifetime import TRANSPORTS, Lifetime, lifetimes
 from raydirect._payload import (
     PREPARING,
     InlineValue,
@@ -43,7 +43,7 @@ from raydirect._server import CONTROL, DATA, Reply
 from raydirect._store import StoredObject, capability_of, store
 from raydirect._tensors import TensorMetas, flat_bytes, storage_keys, version_counters
 from raydirect.errors import ProducerLostError, TransferError
-from raydirect.transports import nixl
+from raydirect.transports import cma, nixl
 from raydirect.transports.base import ByteTransport
 from raydirect.transports.registry import (
     AUTO,
@@ -258,8 +258,8 @@ def _export(
             transport_meta = _extract_all(obj, transport, parts, plugin)
         else:
             transport_meta = _guarded(obj, lifetime)
-        if "cma" in transport_meta:
-            seal(obj, transport_meta["cma"])
+        if "cma" in transport_meta:  # what its readers check (``Store.seal``)
+            transport_meta["cma"]["seal"] = store.seal(obj, cma.seal_value)
         lease = _lease_for(obj.obj_id, caller_lease) if leased else None
     except BaseException:
         store.free(obj.obj_id)
@@ -397,7 +397,7 @@ def _release_state(obj: StoredObject) -> None:
     """Let every transport that set something up for ``obj`` release it, and
     abort its two-sided sends still running: freed, nobody can want them, and a
     consumer's abort that arrives after the free finds no object to abort.
-    First its seal is zeroed, and one with a lifetime closed to reads (``_lifetime``)."""
+    One with a lifetime is first closed to reads (``_lifetime``)."""
     lifetimes.release(obj)
     abort_sends(obj)
     for name, meta in list(obj.transport_state.items()):

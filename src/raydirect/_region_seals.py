@@ -1,10 +1,11 @@
-"""Regions' seals: one 8-byte word per open region, in this process's memory.
+"""Seals: one 8-byte word per open region or live object, in this process's memory.
 
-A seal holds a value derived from its region's capability while the region is
-open, and zero once it is closed (``transports.cma`` says how readers use it).
-Seals live in slabs of plain memory that are never freed, so a reader checking
-a seal after its region closed reads a zero or another region's value there,
-never an unmapped page; a slot is reused by a later region, whose value differs.
+A seal holds a value derived from its region's or object's capability while
+it is open, and zero once it is closed or freed (``Store.seal``;
+``transports.cma`` says how readers use it). Seals live in slabs of plain
+memory that are never freed, so a reader checking a seal after its region
+closed reads a zero or another's value there, never an unmapped page; a slot
+is reused by a later region or object, whose value differs.
 """
 
 from __future__ import annotations

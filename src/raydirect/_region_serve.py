@@ -39,7 +39,6 @@ class OpenRegion:
     """One open region, as its owner's agent sees it."""
 
     obj: StoredObject
-    seal: int  # its slot in ``_region_seals.seals``
     on_notice: Callable[[Any], None] | None
     inbox: collections.deque[Any] = field(default_factory=collections.deque)
     cond: threading.Condition = field(default_factory=threading.Condition)

@@ -44,7 +44,6 @@ from raydirect import _region_serve as served
 from raydirect._payload import check_usable_here
 from raydirect._ranges import ByteViews
 from raydirect._region_handle import RegionHandle, encode_meta
-from raydirect._region_seals import seals
 from raydirect._region_serve import OpenRegion
 from raydirect._store import Serving, StoredObject, capability_of, store
 from raydirect._tensors import UNTRACKED, describe_all, flat_bytes
@@ -150,8 +149,7 @@ class Region:
 def _revoke(state: OpenRegion) -> None:
     """Steps 1 and 2 of a close (the module's docstring): no read starts, and
     every cross-memory read in flight fails its check."""
-    store.close_region(state.obj.obj_id)
-    seals.release(state.seal)
+    store.close_region(state.obj.obj_id)  # its seal released too
     with state.cond:
         state.closed = True
         state.cond.notify_all()  # a notices() waiter returns
@@ -202,9 +200,8 @@ def export_region(
     obj = _stored(originals, views, name, transport)
     if huge_pages:
         _onto_huge_pages(views, list(obj.metas.nbytes), obj.label)
-    slot, address = seals.take(cma.seal_value(obj.obj_id, obj.capability))
-    handle = _handle_of(obj, names, address, agent.address)
-    state = OpenRegion(obj, slot, on_notice)
+    handle = _handle_of(obj, names, store.seal(obj, cma.seal_value), agent.address)
+    state = OpenRegion(obj, on_notice)
     served.add(state)
     store.add_region(obj)
     return Region(state, handle)

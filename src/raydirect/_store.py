@@ -37,6 +37,7 @@ import torch
 
 from raydirect import _process
 from raydirect._ranges import ByteViews
+from raydirect._region_seals import seals
 from raydirect._tensors import UNTRACKED, TensorMetas, storage_key
 from raydirect.errors import ProducerLostError
 
@@ -132,8 +133,7 @@ class StoredObject:
     # Transport metadata still being prepared in the background, by transport name.
     preparing: dict[str, Future[Any]] = field(default_factory=dict)
     freed: bool = False  # set under ``lock`` before its transport state is released
-    # Its seal's slot (``_region_seals``), zeroed first when it is freed: a ``cma``
-    # reader still holding its Payload then reads nothing (``transports.cma``).
+    # Its seal's slot (``Store.seal``), released when it is freed or closed.
     seal: int | None = None
     # A region's (``_regions``): its bytes change, and closing waits for the reads
     # served from it; None for an object (its bytes are fixed once exported).
@@ -249,13 +249,32 @@ class Store:
 
     def close_region(self, obj_id: bytes) -> StoredObject | None:
         """Stop serving region ``obj_id``: from now on the agent answers "lost" to
-        every request naming it. Returns it (None if it was not open)."""
+        every request naming it, and its seal fails every ``cma`` read. Returns it
+        (None if it was not open)."""
         with self._lock:
             region = self._regions.pop(obj_id, None)
         if region is not None:
             with region.lock:
                 region.freed = True
+            self._unseal(region)
         return region
+
+    # -- seals: what ``cma`` readers check, as a seqlock's reader does (``transports.cma``)
+    def seal(self, obj: StoredObject, value_of: Callable[[bytes, bytes], int]) -> int:
+        """Give ``obj`` a seal holding ``value_of(id, capability)`` (``cma.seal_value``)
+        until it is freed or closed; returns its address, for ``cma``'s metadata.
+        Every object read over ``cma`` has one, not only regions and objects with a
+        lifetime: a reader may hold an object's Payload after its free (Ray keeps a
+        borrowed value whose owner died, and that death freed the object), and the
+        producer's memory is then another object's."""
+        obj.seal, address = seals.take(value_of(obj.obj_id, obj.capability))
+        return address
+
+    @staticmethod
+    def _unseal(obj: StoredObject) -> None:
+        if obj.seal is not None:
+            seals.release(obj.seal)
+            obj.seal = None
 
     def release(self, region: StoredObject) -> None:
         """Let every transport release what it set up for a closed region."""
@@ -301,6 +320,7 @@ class Store:
             self._held_bytes[obj.transport] -= obj.nbytes
         with obj.lock:  # a preparation finishing from now on releases its own state
             obj.freed = True
+        self._unseal(obj)  # first: no cross-memory read succeeds from now on
         # Release transport state (a pooled segment) before waking waiters, so a
         # producer that re-exports at once finds the segment back in its pool.
         for hook in self._free_hooks:
