@@ -347,14 +347,11 @@ def _asked(method: Any) -> Any:
     """``method.remote()``'s answer, asked again while Ray refuses the call under a
     ``max_pending_calls`` limit: it can count the last call pending a moment after
     its reply is in (CI's failures, on ``held`` and then on ``claimed``)."""
-    answers: list[Any] = []
 
-    def ask() -> bool:
+    def ask() -> tuple[Any] | None:  # a tuple: an answer of 0 still ends the wait
         try:
-            answers.append(ray.get(method.remote()))
+            return (ray.get(method.remote()),)
         except ray.exceptions.PendingCallsLimitExceeded:
-            return False
-        return True
+            return None
 
-    wait_for(ask, what=f"{method} taken under the pending-calls limit")
-    return answers[0]
+    return wait_for(ask, what=f"{method} taken under the pending-calls limit")[0]
