@@ -5,11 +5,16 @@ handle) is tested in tests/gpu."""
 
 from __future__ import annotations
 
+import os
+from typing import Any
+
 import pytest
 import torch
 
+from raydirect import _process
 from raydirect._payload import ProducerInfo
 from raydirect._ranges import Ranges
+from raydirect._region_seals import seal_value, seals
 from raydirect.errors import ProducerLostError, TransportUnavailableError
 from raydirect.transports import cuda_ipc
 from raydirect.transports.base import PeerMetadata
@@ -115,6 +120,45 @@ def test_a_read_from_a_dead_producer_fails_and_closes_its_storages(cpu_opener):
     with pytest.raises(ProducerLostError, match="Peer.value"):
         cuda_ipc.CudaIpcTransport().receive(b"obj", extra, link, Ranges.of_whole([target]))
     assert cuda_ipc.opened.counts() == (0, 0)
+
+
+def test_a_read_of_a_freed_object_raises_never_another_tensors_bytes(cpu_opener, monkeypatch):
+    """A reader may hold a ref after the producer freed the object (Ray keeps a
+    borrowed value whose owner died, and that death freed it), and the producer's
+    caching allocator then gives the memory to other tensors. The seal check after
+    the copies refuses a read the free raced; the one before refuses a later read
+    before any copy. This process plays the producer (its seals)."""
+    me = ProducerInfo("tcp://127.0.0.1:1", "node", os.getpid(), _process.START_TIME, b"t", "P.v")
+    link = _Link(me, b"cap", same_node=True)
+    slot = seals.take(seal_value(b"obj", b"cap"))
+    extra = {"handles": [_handle(_share(b"\x07"), 0, 8)], "seal": slot}
+    target = torch.zeros(8, dtype=torch.uint8)
+
+    def read() -> None:
+        cuda_ipc.CudaIpcTransport().receive(b"obj", extra, link, Ranges.of_whole([target]))
+
+    read()
+    assert target.tolist() == [7] * 8
+    copy = cuda_ipc.copy_from_storages
+    taken = []
+
+    def freed_during_the_copies(*args: Any) -> bool:
+        seals.release(slot)  # the free zeroes the seal first; the slot goes to the next
+        taken.append(seals.take(seal_value(b"next", b"cap")))
+        return copy(*args)
+
+    monkeypatch.setattr(cuda_ipc, "copy_from_storages", freed_during_the_copies)
+    try:
+        with pytest.raises(ProducerLostError, match=r"P.v \(pid .*\) freed the object"):
+            read()
+        monkeypatch.setattr(cuda_ipc, "copy_from_storages", copy)
+        target.zero_()
+        with pytest.raises(ProducerLostError, match=r"P.v \(pid .*\) freed the object"):
+            read()
+        assert target.tolist() == [0] * 8  # refused before any copy
+    finally:
+        for s in taken:
+            seals.release(s)
 
 
 def test_cuda_is_initialised_before_a_handle_opens(monkeypatch):

@@ -39,8 +39,9 @@ from raydirect._store import Serving, StoredObject, store
 log = logging.getLogger("raydirect")
 
 # What reads such an object: the transports whose reads are guarded as above.
-# nixl and cuda_ipc hand out registrations a seal cannot revoke; a group's send
-# and a plug-in need the producer in the read, which a lease-free free races.
+# nixl hands out registrations a seal cannot revoke (cuda_ipc's memory is a
+# device's, which lifetimes do not cover yet: ``_check_host_only``); a group's
+# send and a plug-in need the producer in the read, which a lease-free free races.
 TRANSPORTS = frozenset({"auto", "cma", "shm", "tcp"})
 _WAIT_LOG_S = 10.0
 # Deadlines of freed objects the ttl heap may hold beyond twice the live ones

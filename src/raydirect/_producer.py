@@ -43,7 +43,7 @@ from raydirect._server import CONTROL, DATA, Reply
 from raydirect._store import StoredObject, capability_of, store
 from raydirect._tensors import TensorMetas, flat_bytes, storage_keys, version_counters
 from raydirect.errors import ProducerLostError, TransferError
-from raydirect.transports import cma, nixl
+from raydirect.transports import nixl
 from raydirect.transports.base import ByteTransport
 from raydirect.transports.registry import (
     AUTO,
@@ -258,8 +258,10 @@ def _export(
             transport_meta = _extract_all(obj, transport, parts, plugin)
         else:
             transport_meta = _guarded(obj, lifetime)
-        if "cma" in transport_meta:  # what its readers check (``Store.seal``)
-            transport_meta["cma"]["seal"] = store.seal(obj, cma.seal_value)
+        sealed = [n for n in transport_meta if getattr(transport_instance(n), "sealed", 0)]
+        slot = store.seal(obj) if sealed else None
+        for name in sealed:  # what their readers check (``Store.seal``)
+            transport_meta[name]["seal"] = slot
         lease = _lease_for(obj.obj_id, caller_lease) if leased else None
     except BaseException:
         store.free(obj.obj_id)
@@ -310,10 +312,7 @@ def _guarded(obj: StoredObject, lifetime: Lifetime) -> dict[str, Any]:
     ``cma`` checks the seal, ``shm`` and ``tcp`` reads are copied out by the agent."""
     lifetimes.start(obj, lifetime)
     cross = transport_instance("cma").extract_tensor_transport_metadata(obj.obj_id, obj.buffers)  # type: ignore[arg-type]
-    return {
-        "cma": {**cross.extra, "lifetime": lifetime.describe()},
-        "shm": {"live": True},
-    }
+    return {"cma": {**cross.extra, "lifetime": lifetime.describe()}, "shm": {"live": True}}
 
 
 def _forget_earlier_sessions() -> None:

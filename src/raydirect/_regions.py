@@ -47,7 +47,6 @@ from raydirect._region_handle import RegionHandle, encode_meta
 from raydirect._region_serve import OpenRegion
 from raydirect._store import Serving, StoredObject, capability_of, store
 from raydirect._tensors import UNTRACKED, describe_all, flat_bytes
-from raydirect.transports import cma
 from raydirect.transports.registry import AUTO, check_name, registration, transport_instance
 
 # What readers may name: one-sided byte transports (the agent serves or the
@@ -200,7 +199,7 @@ def export_region(
     obj = _stored(originals, views, name, transport)
     if huge_pages:
         _onto_huge_pages(views, list(obj.metas.nbytes), obj.label)
-    handle = _handle_of(obj, names, store.seal(obj, cma.seal_value), agent.address)
+    handle = _handle_of(obj, names, store.seal(obj), agent.address)
     state = OpenRegion(obj, on_notice)
     served.add(state)
     store.add_region(obj)

@@ -37,7 +37,7 @@ import torch
 
 from raydirect import _process
 from raydirect._ranges import ByteViews
-from raydirect._region_seals import seals
+from raydirect._region_seals import seal_value, seals
 from raydirect._tensors import UNTRACKED, TensorMetas, storage_key
 from raydirect.errors import ProducerLostError
 
@@ -259,16 +259,17 @@ class Store:
             self._unseal(region)
         return region
 
-    # -- seals: what ``cma`` readers check, as a seqlock's reader does (``transports.cma``)
-    def seal(self, obj: StoredObject, value_of: Callable[[bytes, bytes], int]) -> int:
-        """Give ``obj`` a seal holding ``value_of(id, capability)`` (``cma.seal_value``)
-        until it is freed or closed; returns its address, for ``cma``'s metadata.
-        Every object read over ``cma`` has one, not only regions and objects with a
-        lifetime: a reader may hold an object's Payload after its free (Ray keeps a
-        borrowed value whose owner died, and that death freed the object), and the
-        producer's memory is then another object's."""
-        obj.seal, address = seals.take(value_of(obj.obj_id, obj.capability))
-        return address
+    # -- seals: what same-node readers check, as a seqlock's reader does (``_region_seals``)
+    def seal(self, obj: StoredObject) -> int:
+        """Give ``obj`` a seal holding ``seal_value(id, capability)`` until it is freed
+        or closed; returns its slot, for the metadata of the transports that check
+        it (``ByteTransport.sealed``). Every object read over such a transport has
+        one, not only regions and objects with a lifetime: a reader may hold an
+        object's Payload after its free (Ray keeps a borrowed value whose owner
+        died, and that death freed the object), and the producer's memory is then
+        another object's."""
+        obj.seal = seals.take(seal_value(obj.obj_id, obj.capability))
+        return obj.seal
 
     @staticmethod
     def _unseal(obj: StoredObject) -> None:

@@ -107,8 +107,9 @@ class ProducerLostError(RaydirectError):
 
     @classmethod
     def freed_while_held(cls, who: str) -> ProducerLostError:
-        """Raised in a consumer whose ``cma`` or ``shm`` read found the object freed
-        though it holds a ref: Ray still hands out a borrowed value whose owner
+        """Raised in a consumer whose read found the object freed though it holds
+        a ref (``shm``'s tag; ``cma`` and ``cuda_ipc`` say the same through their
+        seal, ``ReadSeal``): Ray still hands out a borrowed value whose owner
         died, and that death freed the object (``_caller_leases``)."""
         return cls.of(who, FREED_WHILE_HELD)
 

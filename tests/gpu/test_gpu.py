@@ -322,6 +322,23 @@ class Peer:
         got = rd.get(refs[0], timeout=TIMEOUT)
         return bool((got == 7).all())
 
+    def hold(self, refs: list) -> None:
+        self.held = refs  # nested: this actor borrows the ref, another owns it
+
+    def read_held(self) -> str:
+        """ "ok" when the held ref reads as ``sized``'s threes, else what went wrong."""
+        try:
+            got = rd.get(self.held[0], timeout=TIMEOUT)
+        except Exception as exc:
+            return _error(exc)
+        return "ok" if bool((got == 3).all()) else "wrong bytes"
+
+    def occupy(self, nbytes: int, count: int) -> None:
+        """Keep ``count`` tensors of sevens of ``nbytes`` each (in memory freed before)."""
+        for i in range(count):
+            self.kept[f"occupy{i}"] = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+
     def read_and_measure(self, refs: list) -> dict:
         """CUDA memory while the received tensor is alive, and after it is dropped."""
         got = rd.get(refs[0], timeout=TIMEOUT)
@@ -680,6 +697,38 @@ def test_cuda_memory_of_an_object_nobody_read_is_released(own_pair):
         timeout=60,
         what=f"the producer's CUDA memory back to {base} bytes",
     )
+
+
+@ray.remote(num_cpus=0)
+class Caller:
+    """Owns the refs it makes (their objects stand on its lease): its death frees them."""
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def hand_over(self, producer: Any, holder: Any, nbytes: int) -> None:
+        ray.get(holder.hold.remote([producer.sized.remote(nbytes)]))
+
+
+def test_a_read_through_a_dead_callers_ref_is_refused_never_another_tensors_bytes(own_pair):
+    """tests/test_caller_leases.py's case over cuda_ipc: the holder read once, so Ray
+    keeps the Payload there; the caller that owned the ref died, the producer freed
+    the object and its caching allocator gave the memory to tensors of sevens. The
+    holder's next read must fail (the seal), not return the sevens."""
+    p, r = own_pair
+    caller = Caller.remote()
+    nbytes = 64 * MiB
+    ray.get(caller.hand_over.remote(p, r, nbytes), timeout=TIMEOUT)
+    assert ray.get(r.read_held.remote(), timeout=TIMEOUT) == "ok"
+    os.kill(ray.get(caller.pid.remote()), signal.SIGKILL)
+    wait_for(
+        lambda: ray.get(p.stats.remote()).num_objects == 0,
+        timeout=60,
+        what="the object freed after its caller died",
+    )
+    ray.get(p.occupy.remote(nbytes, 4), timeout=TIMEOUT)
+    said = ray.get(r.read_held.remote(), timeout=TIMEOUT)
+    assert said.startswith("ProducerLostError") and "freed the object" in said, said
 
 
 def _failed(reader: Any) -> dict | None:

@@ -20,8 +20,8 @@ Two kinds of transport share the interface:
 Orchestration (choosing a transport, deadlines, fallbacks, counting, error
 mapping) lives above, in ``raydirect._consumer``; transports never time out on
 their own: they honour ``comm_meta.deadline`` and raise. A transport imports
-this module, ``_channel``, ``_process``, ``_tensors`` and ``errors``, nothing
-else of raydirect (the collective ones also their group state).
+this module, ``_channel``, ``_process``, ``_tensors``, ``_region_seals`` and
+``errors``, nothing else of raydirect (the collective ones also their group state).
 
 Call diagram for a one-sided transport::
 
@@ -51,7 +51,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from raydirect import _notices, _process, _wire
 from raydirect._channel import Channel
 from raydirect._ranges import Ranges
-from raydirect.errors import ProducerLostError
+from raydirect._region_seals import Seal, seal_value
+from raydirect.errors import FREED_WHILE_HELD, ProducerLostError, TransferError
 
 if TYPE_CHECKING:
     from raydirect._payload import ProducerInfo
@@ -159,6 +160,40 @@ class PeerMetadata(CommunicatorMetadata):
             raise TimeoutError(CALLED_OFF)
         if self.deadline is not None and time.monotonic() >= self.deadline:
             raise TimeoutError("transfer deadline passed")
+
+
+class ReadSeal:
+    """The seal of the object a same-node read copies from (``_region_seals``),
+    checked before the copy and after its last byte landed: ``check`` raises
+    ``ProducerLostError`` unless the object is still served (not freed, nor, for
+    a region, closed)."""
+
+    def __init__(self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata) -> None:
+        producer, want = link.producer, seal_value(obj_id, link.capability)
+        try:
+            self._seal = Seal(extra["seal"], producer.pid, producer.start_time, want)
+        except ValueError as exc:
+            raise TransferError(f"corrupt transport metadata from {link.who}: {exc}") from exc
+        self._link, self._extra = link, extra
+
+    @classmethod
+    def of(cls, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata) -> ReadSeal | None:
+        """The object's seal, None for metadata that names none (a plug-in's)."""
+        return None if extra.get("seal") is None else cls(obj_id, extra, link)
+
+    def check(self) -> None:
+        if not self._seal.holds():
+            self._link.check_alive()  # an exited producer's seals are gone with it
+            raise ProducerLostError.of(self._link.who, self._gone())
+
+    def _gone(self) -> str:
+        """What a failed check says the producer did."""
+        lifetime = self._extra.get("lifetime")
+        if lifetime:
+            return f"freed the object: its lifetime (rd.method({lifetime})) ended"
+        if self._extra.get("region"):
+            return "holds no such region (it was closed)"
+        return FREED_WHILE_HELD
 
 
 def metadata_classes() -> dict[str, type]:
@@ -342,6 +377,10 @@ class ByteTransport(TensorTransportManager):
     ranged: ClassVar[bool] = False
     """True if ``receive`` reads any ``Ranges``; False if it reads only whole
     objects (the orchestration then reads whole tensors and copies the slices)."""
+    sealed: ClassVar[bool] = False
+    """True if ``receive`` copies from the producer's memory without its agent,
+    checking the object's seal (``ReadSeal``): the producer then gives each object
+    it exports over this transport one (``extra["seal"]``, ``Store.seal``)."""
 
     def extract_tensor_transport_metadata(
         self, obj_id: Any, tensors: list[Any]

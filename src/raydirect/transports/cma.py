@@ -9,16 +9,13 @@ agent allows it with ``PR_SET_PTRACER_ANY`` at start). Where the kernel
 refuses, this raises ``TransportUnavailableError`` and ``auto`` uses ``shm``.
 
 A region (``rd.export_region``) is read while its owner may close it, and the
-owner may reuse the memory once ``close`` returns. Its metadata names a *seal*:
-8 bytes in the owner's memory that hold ``seal_value(id, capability)`` while the
-region is open and are zeroed by ``close`` before it returns. An object has one
-too, zeroed when it is freed: a reader may hold its Payload after that (Ray
-keeps a borrowed value whose owner died, and that death freed the object). A
-read checks the seal before it starts (a closed region, or a handle whose id or
-capability is not the region's, reads nothing) and again after its last byte
-has landed, as a seqlock's reader does: if the seal still holds then, ``close``
-had not begun when the last byte was read, so every byte is the region's, never
-memory its owner had handed to something else.
+owner may reuse the memory once ``close`` returns; a reader may hold an
+object's Payload after its free (Ray keeps a borrowed value whose owner died,
+and that death freed the object). So each read checks the object's or
+region's *seal* (``_region_seals``) before it starts (a closed region, or a
+handle whose id or capability is not the region's, reads nothing) and again
+after its last byte has landed: if the seal still holds then, every byte is
+the object's, never memory its owner had handed to something else.
 """
 
 from __future__ import annotations
@@ -26,7 +23,6 @@ from __future__ import annotations
 import bisect
 import ctypes
 import errno
-import hashlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -38,12 +34,16 @@ import torch
 from raydirect import _compression as compression
 from raydirect._ranges import ByteViews, Ranges
 from raydirect.errors import (
-    FREED_WHILE_HELD,
     ProducerLostError,
     TransferError,
     TransportUnavailableError,
 )
-from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
+from raydirect.transports.base import (
+    ByteTransport,
+    PeerMetadata,
+    ReadSeal,
+    TensorTransportMetadata,
+)
 
 _IOV_MAX = 1024
 _CALL_BYTES = 16 << 20  # bytes per system call: a deadline is noticed, threads share evenly
@@ -74,11 +74,11 @@ _readv.argtypes = [
     ctypes.c_ulong,
 ]
 _readv.restype = ctypes.c_ssize_t
-# The same call holding the GIL, for a seal's 8 bytes and reads of at most
-# _FEW_BYTES in one call (0.5-2.5 ms; Python itself lets a thread hold the GIL
-# for its 5 ms switch interval): a call that lets the GIL go waits up to that
-# interval to have it back while another thread runs Python (a vLLM worker's
-# loop beside its KV reads). Beside a busy thread an 8 MiB read took 6.6-10.7 ms
+# The same call holding the GIL, for reads of at most _FEW_BYTES in one call
+# (0.5-2.5 ms; Python itself lets a thread hold the GIL for its 5 ms switch
+# interval): a call that lets the GIL go waits up to that interval to have it
+# back while another thread runs Python (a vLLM worker's loop beside its KV
+# reads). Beside a busy thread an 8 MiB read took 6.6-10.7 ms
 # with four such waits, 5.9 with one, and takes its 0.3-0.8 ms with none.
 _readv_holding_gil = ctypes.PyDLL(None, use_errno=True).process_vm_readv
 _readv_holding_gil.argtypes = _readv.argtypes
@@ -283,46 +283,6 @@ def _raise_for(got: int, who: str) -> None:
     raise TransferError(f"reading {who}'s memory failed: {os.strerror(err)}")
 
 
-def seal_value(obj_id: bytes, capability: bytes) -> int:
-    """What a region's seal holds while it is open: a digest of its id and
-    capability (never zero), so that a reader holding another fails the check."""
-    digest = hashlib.blake2b(obj_id + capability, digest_size=8, person=b"raydirect-seal")
-    return int.from_bytes(digest.digest(), "little") or 1
-
-
-class _Seal:
-    """The seal of a region, or of an object with a lifetime, in ``pid`` at
-    ``address``, and what it must hold: the vectors made once, checked before a
-    read and after it."""
-
-    def __init__(
-        self, obj_id: bytes, pid: int, address: int, link: PeerMetadata, gone: str
-    ) -> None:
-        self.pid, self.link, self.gone = pid, link, gone
-        self.want = seal_value(obj_id, link.capability)
-        self.found = np.zeros(1, dtype=np.uint64)
-        self.vectors = np.array([[self.found.ctypes.data, 8], [address, 8]], dtype=np.uint64)
-
-    def check(self) -> None:
-        """``ProducerLostError`` (saying the producer ``gone``) unless the seal holds."""
-        local, remote = self.vectors.ctypes.data, self.vectors[1:].ctypes.data
-        got = _readv_holding_gil(self.pid, local, 1, remote, 1, 0)
-        if got != 8:
-            _raise_for(got, self.link.who)
-        if int(self.found[0]) != self.want:
-            raise ProducerLostError.of(self.link.who, self.gone)
-
-
-def _gone(extra: dict[str, Any]) -> str:
-    """What a failed seal check says the producer did."""
-    lifetime = extra.get("lifetime")
-    if lifetime:
-        return f"freed the object: its lifetime (rd.method({lifetime})) ended"
-    if extra.get("region"):
-        return "holds no such region (it was closed)"
-    return FREED_WHILE_HELD
-
-
 def _pack_addresses(addresses: np.ndarray) -> bytes:
     """Tensor addresses as the Payload carries them: each the step from the one
     before, compressed. Tensors allocated one after another lie close, so 5,000
@@ -347,6 +307,7 @@ class CmaTransport(ByteTransport):
     same_node_only = True
     notify_sent = True  # the producer does nothing in a read: tell it
     ranged = True
+    sealed = True
 
     def extract_tensor_transport_metadata(
         self, obj_id: bytes, tensors: list[torch.Tensor]
@@ -364,15 +325,13 @@ class CmaTransport(ByteTransport):
     ) -> None:
         # A pid names the producer only while it runs: a reused pid is another process.
         link.check_alive()
-        pid, address = link.producer.pid, extra.get("seal")
-        # A region, or an object with a lifetime: nothing read once it is closed or freed
-        seal = None if address is None else _Seal(obj_id, pid, int(address), link, _gone(extra))
-        if seal is not None:
+        pid, seal = link.producer.pid, ReadSeal.of(obj_id, extra, link)
+        if seal is not None:  # nothing read once it is freed or closed ...
             seal.check()
         addresses = _addresses(extra["ptrs"])
         if not _read_few(pid, addresses, ranges, link):
             read_remote(pid, _Spans(*ranges.runs(addresses)), link)
-        if seal is not None:  # ... and nothing read while it was closing
+        if seal is not None:  # ... nor while it was being freed
             seal.check()
 
 

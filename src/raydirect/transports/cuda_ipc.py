@@ -18,11 +18,14 @@ most of a small read's cost: about 1.5-2 ms per read on an H200 (docs/gpu.md).
 So each producer storage is opened once per object, not once per tensor nor
 per read, and kept open in ``OpenedStorages`` while the object may still be
 read here: the copies of a read are then only ``copy_`` calls and one
-synchronize. A consumer cannot see the producer free an object, so what bounds
-the cache is its size and idle time (a producer found dead drops its entries
-at once). Keeping an object's storage open is safe: a read happens only while
-a ref to the object lives, and the producer keeps the tensor until the last
-ref is gone; an entry outliving the object maps memory no read touches again.
+synchronize. What bounds the cache is its size and idle time (a producer
+found dead drops its entries at once). An entry may outlive its object: a
+reader may hold a ref after the producer freed the object (Ray keeps a
+borrowed value whose owner died, and that death freed it), and the producer's
+caching allocator then hands the memory to other tensors. So each read checks
+the object's seal (``_region_seals``, as ``cma`` does) before its copies and
+after they end: such a read raises ``ProducerLostError``, never returns
+another tensor's bytes.
 
 A process that has not used CUDA yet must initialise it before opening a
 handle (``torch.cuda.init``, as PyTorch's own ``rebuild_cuda_tensor`` does):
@@ -48,7 +51,12 @@ import torch
 
 from raydirect._ranges import Ranges
 from raydirect.errors import TransferError, TransportUnavailableError
-from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
+from raydirect.transports.base import (
+    ByteTransport,
+    PeerMetadata,
+    ReadSeal,
+    TensorTransportMetadata,
+)
 
 
 def _encode(value: Any) -> Any:
@@ -215,6 +223,7 @@ class CudaIpcTransport(ByteTransport):
     receive_devices = ("cuda", "cpu")  # a device-to-host copy straight into host memory
     same_node_only = True
     notify_sent = True
+    sealed = True
 
     def extract_tensor_transport_metadata(
         self, obj_id: Any, tensors: list[Any]
@@ -265,6 +274,9 @@ class CudaIpcTransport(ByteTransport):
         if not link.producer_alive():
             opened.forget_producer(producer)
             link.check_alive()
+        seal = ReadSeal.of(obj_id, extra, link)
+        if seal is not None:  # nothing read once the object is freed ...
+            seal.check()
         try:
             storages = opened.storages(producer, obj_id, shares)
             on_gpu = copy_from_storages(storages, handles, [t for _, t in picked])
@@ -278,6 +290,8 @@ class CudaIpcTransport(ByteTransport):
             raise TransferError(
                 f"could not read {link.who}'s CUDA memory over CUDA IPC: {exc}"
             ) from exc
+        if seal is not None:  # ... nor while it was being freed (the copies have ended)
+            seal.check()
 
 
 def _forget_after_fork() -> None:
