@@ -18,7 +18,7 @@ import pytest
 from raydirect import _process, _region_seals
 from raydirect._payload import ProducerInfo
 from raydirect._region_seals import SHM_DIR, Seal, Seals, seal_value, seals, slab_name
-from raydirect.errors import ProducerLostError, TransferError
+from raydirect.errors import ProducerLostError, TransferError, TransportUnavailableError
 from raydirect.transports.base import PeerMetadata, ReadSeal
 from raydirect.transports.shm import sweep_dead_segments
 
@@ -181,3 +181,20 @@ def test_a_process_without_a_writable_dev_shm_is_told_so(monkeypatch, tmp_path):
     with pytest.raises(OSError, match=f"could not make {missing}/rd-.* there: .* Give"):
         Seals().take(1)
     assert not missing.exists()
+
+
+def test_a_reader_that_cannot_see_a_live_producers_seals_is_told_why_and_what_to_do():
+    """As where the two processes do not share /dev/shm: ``auto`` then reads elsewhere."""
+    with pytest.raises(TransportUnavailableError, match=r"cannot see the seals of P.v .*'tcp'"):
+        ReadSeal(b"obj", {"seal": 8192 * 5}, _own_link())  # a slab this process never made
+
+
+def test_a_reader_of_an_exited_producers_seal_is_told_it_exited(producer):
+    slot = int(producer.ask("take", 1))
+    me = ProducerInfo("tcp://127.0.0.1:1", "node", producer.pid, producer.start_time, b"t", "P.v")
+    link = PeerMetadata(me, b"cap", same_node=True)
+    assert producer.proc.stdin is not None
+    producer.proc.stdin.close()
+    assert producer.proc.wait(timeout=30) == 0  # its slabs unlinked at exit
+    with pytest.raises(ProducerLostError, match="P.v .* is no longer running"):
+        ReadSeal(b"obj", {"seal": slot}, link)

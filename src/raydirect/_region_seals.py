@@ -112,11 +112,6 @@ class Seals:
             self._slabs[slab][i] = 0
             self._free.append(slot)
 
-    def value(self, slot: int) -> int:
-        with self._lock:
-            slab, i = divmod(slot, _SLAB)
-            return int(self._slabs[slab][i])
-
     def unlink_all(self) -> None:
         """Remove the slab files (at exit: a reader that mapped one keeps reading it)."""
         if os.getpid() != self._pid:  # a forked child's exit: the files are its parent's
@@ -168,7 +163,9 @@ _mapped = _Mapped()
 
 class Seal:
     """A reader's view of one seal of the process (pid, start_time): ``holds()``
-    while it holds ``want``. Raises ``ValueError`` for a slot no seal can have."""
+    while it holds ``want``; ``visible`` if its slab could be mapped here (the
+    process has exited, or does not share this /dev/shm, if not). Raises
+    ``ValueError`` for a slot no seal can have."""
 
     def __init__(self, slot: object, pid: int, start_time: int, want: int) -> None:
         if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < 1 << 40:
@@ -176,6 +173,8 @@ class Seal:
         slab, self._i = divmod(slot, _SLAB)
         self._words = _mapped.words(pid, start_time, slab)
         self.want = want
+        self.visible = self._words is not None
+        self.path = os.path.join(SHM_DIR, slab_name(pid, start_time, slab))
 
     def holds(self) -> bool:
         return self._words is not None and int(self._words[self._i]) == self.want

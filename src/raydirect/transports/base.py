@@ -40,6 +40,7 @@ Call diagram for a one-sided transport::
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from abc import ABC, abstractmethod
@@ -52,7 +53,12 @@ from raydirect import _notices, _process, _wire
 from raydirect._channel import Channel
 from raydirect._ranges import Ranges
 from raydirect._region_seals import Seal, seal_value
-from raydirect.errors import FREED_WHILE_HELD, ProducerLostError, TransferError
+from raydirect.errors import (
+    FREED_WHILE_HELD,
+    ProducerLostError,
+    TransferError,
+    TransportUnavailableError,
+)
 
 if TYPE_CHECKING:
     from raydirect._payload import ProducerInfo
@@ -175,6 +181,14 @@ class ReadSeal:
         except ValueError as exc:
             raise TransferError(f"corrupt transport metadata from {link.who}: {exc}") from exc
         self._link, self._extra = link, extra
+        if not self._seal.visible:
+            link.check_alive()  # an exited producer's slabs are gone with it
+            raise TransportUnavailableError(
+                f"this process cannot see the seals of {link.who} ({self._seal.path}), which "
+                "a same-node read checks (is the object still held?): the two processes do "
+                f"not share {os.path.dirname(self._seal.path)}. Run them with one /dev/shm "
+                "(one container, or --ipc=host), or read with tensor_transport='tcp'"
+            )
 
     @classmethod
     def of(cls, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata) -> ReadSeal | None:
