@@ -399,7 +399,11 @@ def scenario_node_loss(address: str) -> dict[str, Any]:
         neighbour=neighbour_info,
         warm=warm,
         shm_read=shm_read,
-        segments=sorted(n for n in os.listdir("/dev/shm") if n.startswith(f"rd-{info['pid']}-")),
+        segments=sorted(  # staged segments (not the slab of its seals)
+            n
+            for n in os.listdir("/dev/shm")
+            if n.startswith(f"rd-{info['pid']}-") and "-seals-" not in n
+        ),
     )
     if sys.stdin.readline().strip() != "go":
         raise RuntimeError("the test did not say go")

@@ -169,11 +169,14 @@ def remove_shm_segments_of(pids: list[int]) -> list[str]:
     return removed
 
 
-def shm_segments_of(pids: list[int]) -> list[str]:
-    """raydirect segments in /dev/shm named after one of ``pids``."""
+def shm_segments_of(pids: list[int], seals: bool = True) -> list[str]:
+    """raydirect files in /dev/shm named after one of ``pids``: staged segments, and
+    the slabs of their seals (``rd-<pid>-<start>-seals-<n>``) unless ``seals=False``."""
     wanted = {str(p) for p in pids}
     return sorted(
-        n for n in os.listdir("/dev/shm") if n.startswith("rd-") and n.split("-")[1] in wanted
+        n
+        for n in os.listdir("/dev/shm")
+        if n.startswith("rd-") and n.split("-")[1] in wanted and (seals or "-seals-" not in n)
     )
 
 

@@ -118,4 +118,7 @@ def test_producer_node_lost_during_fan_out(cluster3, fanout_script):
         assert "error" not in outcome or is_producer_lost(outcome["error"]), outcome
         assert outcome["seconds"] < LOSS_BOUND_S, outcome
     assert result["held"] == [0, 0, 0, 0], "relay copies outlived the failed fan-out"
-    assert mn_harness.shm_segments_of(killed) == []
+    # No staged segment of B's is left. The slabs of their seals stay until the next
+    # raydirect process on that node sweeps them (tests/test_seals.py), as any file a
+    # SIGKILLed process leaves; the harness's teardown does it here.
+    assert mn_harness.shm_segments_of(killed, seals=False) == []
