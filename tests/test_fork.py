@@ -4,10 +4,12 @@ no parent's objects, pools that run; and where the parent was connected to Ray
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import select
 import signal
+import tempfile
 import time
 
 import ray
@@ -19,24 +21,29 @@ from actors import Producer
 
 
 def _in_child(work) -> dict:
-    """Run ``work()`` in a forked child; its JSON-able result."""
+    """Run ``work()`` in a forked child; its JSON-able result. A child that hangs
+    writes where its threads stand (faulthandler) into a file the parent reads."""
     read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: report, then leave without running the parent's exit hooks
-        try:
-            result = work()
-        except BaseException as exc:
-            result = {"crashed": f"{type(exc).__name__}: {exc}"}
-        os.write(write, json.dumps(result).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read) as pipe:
-        ready, _, _ = select.select([pipe], [], [], 60)
-        if not ready:  # what used to happen: the child hung in its read
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            raise AssertionError("the forked child hung")
-        data = pipe.read()
+    with tempfile.TemporaryFile() as stacks:
+        pid = os.fork()
+        if pid == 0:  # the child: report, then leave without running the parent's exit hooks
+            faulthandler.dump_traceback_later(50, file=stacks)
+            try:
+                result = work()
+            except BaseException as exc:
+                result = {"crashed": f"{type(exc).__name__}: {exc}"}
+            os.write(write, json.dumps(result).encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            ready, _, _ = select.select([pipe], [], [], 60)
+            if not ready:  # what used to happen: the child hung in its read
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                stacks.seek(0)
+                where = stacks.read().decode(errors="replace")
+                raise AssertionError(f"the forked child hung; its threads after 50 s:\n{where}")
+            data = pipe.read()
     os.waitpid(pid, 0)
     return json.loads(data)
 
