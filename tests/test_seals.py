@@ -17,7 +17,7 @@ import pytest
 
 from raydirect import _process, _region_seals
 from raydirect._payload import ProducerInfo
-from raydirect._region_seals import SHM_DIR, Seal, Seals, seal_value, seals, slab_name
+from raydirect._region_seals import Seal, Seals, seal_value, seals, slab_path
 from raydirect.errors import ProducerLostError, TransferError, TransportUnavailableError
 from raydirect.transports.base import PeerMetadata, ReadSeal
 from raydirect.transports.shm import sweep_dead_segments
@@ -76,7 +76,7 @@ class _Producer:
         return Seal(slot, self.pid, self.start_time, want)
 
     def slab(self, n: int = 0) -> str:
-        return os.path.join(SHM_DIR, slab_name(self.pid, self.start_time, n))
+        return slab_path(self.pid, self.start_time, n)
 
 
 @pytest.fixture

@@ -50,8 +50,8 @@ def seal_value(obj_id: bytes, capability: bytes) -> int:
     return int.from_bytes(digest.digest(), "little") or 1
 
 
-def slab_name(pid: int, start_time: int, slab: int) -> str:
-    return f"rd-{pid}-{start_time}-seals-{slab}"
+def slab_path(pid: int, start_time: int, slab: int) -> str:
+    return os.path.join(SHM_DIR, f"rd-{pid}-{start_time}-seals-{slab}")
 
 
 class Seals:
@@ -67,7 +67,6 @@ class Seals:
         other modules hold this very instance, so it is reset, not replaced)."""
         self._lock = threading.Lock()
         self._slabs: list[np.ndarray] = []
-        self._names: list[str] = []
         self._free: list[int] = []
         self._pid, self._start_time = _process.PID, _process.START_TIME
 
@@ -82,8 +81,7 @@ class Seals:
             return slot
 
     def _add_slab(self) -> None:
-        name = slab_name(self._pid, self._start_time, len(self._slabs))
-        path = os.path.join(SHM_DIR, name)
+        path = slab_path(self._pid, self._start_time, len(self._slabs))
         try:
             # O_NOFOLLOW, O_EXCL: /dev/shm is world-writable; the name must be ours.
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -102,7 +100,6 @@ class Seals:
             ) from exc
         first = len(self._slabs) * _SLAB
         self._slabs.append(words)
-        self._names.append(name)
         self._free.extend(reversed(range(first, first + _SLAB)))
 
     def release(self, slot: int) -> None:
@@ -116,9 +113,9 @@ class Seals:
         """Remove the slab files (at exit: a reader that mapped one keeps reading it)."""
         if os.getpid() != self._pid:  # a forked child's exit: the files are its parent's
             return
-        for name in self._names:
+        for slab in range(len(self._slabs)):
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(os.path.join(SHM_DIR, name))
+                os.unlink(slab_path(self._pid, self._start_time, slab))
 
 
 seals = Seals()
@@ -140,9 +137,8 @@ class _Mapped:
             if words is not None:
                 self._slabs.move_to_end(key)
                 return words
-        path = os.path.join(SHM_DIR, slab_name(pid, start_time, slab))
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = os.open(slab_path(pid, start_time, slab), os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return None
         try:
@@ -171,10 +167,18 @@ class Seal:
         if not isinstance(slot, int) or isinstance(slot, bool) or not 0 <= slot < 1 << 40:
             raise ValueError(f"a seal's slot is a small non-negative integer, got {slot!r}")
         slab, self._i = divmod(slot, _SLAB)
+        self._slab = (pid, start_time, slab)
         self._words = _mapped.words(pid, start_time, slab)
         self.want = want
-        self.visible = self._words is not None
-        self.path = os.path.join(SHM_DIR, slab_name(pid, start_time, slab))
+
+    @property
+    def visible(self) -> bool:
+        return self._words is not None
+
+    @property
+    def path(self) -> str:
+        """Its slab's file (named in errors only: not built on every read)."""
+        return slab_path(*self._slab)
 
     def holds(self) -> bool:
         return self._words is not None and int(self._words[self._i]) == self.want
