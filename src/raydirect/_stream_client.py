@@ -140,6 +140,13 @@ class _Pool:
         for old in closed:
             old.close()
 
+    def forget_after_fork(self) -> None:
+        """In a forked child: close our copies of the parent's connections. The lock
+        is made anew first: a parent thread may have held it at the fork, and no
+        thread here will ever release it (the child waited for ever)."""
+        self._lock = threading.Lock()
+        self.close_idle()
+
     def close_idle(self) -> int:
         with self._lock:
             idle = list(self._idle)
@@ -424,7 +431,7 @@ def _forget_after_fork() -> None:
     # Pooled connections are the parent's (closing them here closes only our
     # copies of the descriptors); the window threads did not survive.
     global _workers, _workers_lock
-    close_idle()
+    _pool.forget_after_fork()
     _workers, _workers_lock = None, threading.Lock()
 
 
