@@ -14,6 +14,8 @@ import torch
 from ray import cloudpickle
 
 import raydirect as rd
+from raydirect._consumer import fetch_value
+from raydirect._payload import get_deferred
 from raydirect.transports import nixl as nixl_transport
 
 if not nixl_transport.available():
@@ -185,3 +187,34 @@ def test_method_declared_nixl(ray_session):
     assert actors.check_value("aliasing", ray.get(ref)) is None
     ray.kill(p)
     ray.kill(c)
+
+
+def _export_arena(self: Any, fill: int) -> list[ray.ObjectRef]:
+    """An object over memory the actor keeps: freeing the object leaves it mapped."""
+    if not hasattr(self, "arena"):
+        self.arena = torch.zeros(1 * MiB, dtype=torch.uint8)
+    self.arena.fill_(fill)
+    return [rd.put(self.arena, tensor_transport="nixl")]
+
+
+def _free_everything(_self: Any) -> None:
+    from raydirect._store import store
+
+    store.clear()
+
+
+def test_a_read_of_a_freed_object_raises_never_another_objects_bytes(ray_session):
+    """A reader that fetched an object's metadata reads on after the producer freed
+    the object and gave its memory to another: NIXL still reads the memory through
+    the dropped registration (UCX checks nothing), so the read must fail on the
+    object's seal, not return the other object's bytes (it did, sevens)."""
+    p = patched(actors.Producer.remote())
+    [ref] = ray.get(p.__ray_call__.remote(_export_arena, 3))
+    [pending] = get_deferred([ref])
+    assert bool((fetch_value(pending.payload, forced="nixl") == 3).all())  # metadata kept
+    ray.get(p.__ray_call__.remote(_free_everything))
+    [other] = ray.get(p.__ray_call__.remote(_export_arena, 7))  # the same memory, sevens
+    with pytest.raises(rd.ProducerLostError, match="freed the object"):
+        fetch_value(pending.payload, forced="nixl")
+    assert bool((rd.get(other, timeout=60, tensor_transport="nixl") == 7).all())
+    ray.kill(p)

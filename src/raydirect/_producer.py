@@ -16,7 +16,7 @@ import functools
 import logging
 import os
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -139,9 +139,10 @@ def _extract(obj: StoredObject, name: str, background: bool, extract: Callable[[
     return PREPARING
 
 
-def _byte_extra(transport: Any, obj_id: bytes, buffers: Sequence[torch.Tensor]) -> dict[str, Any]:
+def _byte_extra(transport: Any, obj: StoredObject) -> dict[str, Any]:
     # Byte transports keep only the ``extra`` dict: the rest is in the Payload.
-    return dict(transport.extract_tensor_transport_metadata(obj_id, buffers).extra)
+    extra = dict(transport.extract_tensor_transport_metadata(obj.obj_id, obj.buffers).extra)
+    return transport.with_seal(extra, obj.seal) if transport.sealed else extra
 
 
 def _prepared(obj: StoredObject, name: str, future: Future[Any]) -> None:
@@ -174,7 +175,7 @@ def _prepare_on_request(obj: StoredObject, name: str) -> Future[Any]:
             raise ProducerLostError.freed_meanwhile()
         future = obj.preparing.get(name)
         if future is None:
-            future = _preparer().submit(_byte_extra, transport, obj.obj_id, obj.buffers)
+            future = _preparer().submit(_byte_extra, transport, obj)
             obj.preparing[name] = future
             future.add_done_callback(functools.partial(_prepared, obj, name))
     return future
@@ -254,14 +255,13 @@ def _export(
     agent = _runtime.agent()
     obj = _stored(parts, transport, label)
     try:
+        # Sealed before any transport sees it: a preparation in the background
+        # hands the seal out too. Every object is read over one (cma or cuda_ipc).
+        store.seal(obj)
         if lifetime is None:
             transport_meta = _extract_all(obj, transport, parts, plugin)
         else:
             transport_meta = _guarded(obj, lifetime)
-        sealed = [n for n in transport_meta if getattr(transport_instance(n), "sealed", 0)]
-        slot = store.seal(obj) if sealed else None
-        for name in sealed:  # what their readers check (``Store.seal``)
-            transport_meta[name]["seal"] = slot
         lease = _lease_for(obj.obj_id, caller_lease) if leased else None
     except BaseException:
         store.free(obj.obj_id)
@@ -311,8 +311,8 @@ def _guarded(obj: StoredObject, lifetime: Lifetime) -> dict[str, Any]:
     """Start ``obj``'s lifetime; the metadata its readers need, as a region's:
     ``cma`` checks the seal, ``shm`` and ``tcp`` reads are copied out by the agent."""
     lifetimes.start(obj, lifetime)
-    cross = transport_instance("cma").extract_tensor_transport_metadata(obj.obj_id, obj.buffers)  # type: ignore[arg-type]
-    return {"cma": {**cross.extra, "lifetime": lifetime.describe()}, "shm": {"live": True}}
+    cross = _byte_extra(transport_instance("cma"), obj)
+    return {"cma": {**cross, "lifetime": lifetime.describe()}, "shm": {"live": True}}
 
 
 def _forget_earlier_sessions() -> None:
@@ -361,7 +361,7 @@ def _extract_all(
     transport_meta: dict[str, Any] = {}
     for name in _extracted(transport, parts.tensors, plugin is not None):
         byte_transport = transport_instance(name)
-        extract = functools.partial(_byte_extra, byte_transport, obj.obj_id, obj.buffers)
+        extract = functools.partial(_byte_extra, byte_transport, obj)
         extra = _extract(obj, name, byte_transport.extract_in_background, extract)
         if extra:
             transport_meta[name] = extra

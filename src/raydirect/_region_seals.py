@@ -102,6 +102,14 @@ class Seals:
         self._slabs.append(words)
         self._free.extend(reversed(range(first, first + _SLAB)))
 
+    def address(self, slot: int) -> tuple[int, int, int]:
+        """(its slab's address, the slab's size, the slot's address) in this process,
+        for a transport whose readers read the seal through a registration of the slab."""
+        with self._lock:
+            words = self._slabs[slot // _SLAB]
+        base = words.ctypes.data
+        return base, words.nbytes, base + 8 * (slot % _SLAB)
+
     def release(self, slot: int) -> None:
         """Zero the slot (its object is freed from now on) and free it for reuse."""
         with self._lock:

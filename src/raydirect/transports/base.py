@@ -393,8 +393,13 @@ class ByteTransport(TensorTransportManager):
     objects (the orchestration then reads whole tensors and copies the slices)."""
     sealed: ClassVar[bool] = False
     """True if ``receive`` copies from the producer's memory without its agent,
-    checking the object's seal (``ReadSeal``): the producer then gives each object
-    it exports over this transport one (``extra["seal"]``, ``Store.seal``)."""
+    checking the object's seal after it (``ReadSeal``, or a read of its own): the
+    producer hands it each object's seal in ``with_seal``."""
+
+    def with_seal(self, extra: dict[str, Any], slot: int) -> dict[str, Any]:
+        """``extra`` (what ``extract_tensor_transport_metadata`` made, producer side)
+        with the object's seal (``Store.seal``), for sealed transports' readers."""
+        return {**extra, "seal": slot}
 
     def extract_tensor_transport_metadata(
         self, obj_id: Any, tensors: list[Any]

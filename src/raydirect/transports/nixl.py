@@ -1,10 +1,6 @@
 """``nixl``: one-sided reads through NVIDIA NIXL's UCX backend (CPU and CUDA memory).
 
-Optional: ``pip install raydirect[nixl]`` (or ``pip install nixl-cu12``). The
-``nixl-cu12`` wheel alone is enough: 68.6 MB download, ~250 MB installed, needs
-only torch and numpy (it keeps an installed ``torch+cpu``); the ``nixl`` meta
-package would add ``nixl-cu13`` as well (~500 MB). Both import as shown in
-``_nixl_api``; NIXL is imported on first use, never by ``import raydirect``.
+Optional: ``pip install raydirect[nixl]`` (``nixl-cu12``), imported on first use.
 
 Producer: one NIXL agent per process, made on first export. Each tensor's
 storage is registered once and shared by every object that uses it (counted);
@@ -13,17 +9,14 @@ metadata carries the agent's name, its connection info, and one small partial
 metadata section per registration (~350 + ~220 bytes here), so no side channel
 is needed. Consumer: the same per-process agent loads a remote agent's
 connection once and each registration's section once, registers the receive
-buffers, posts one READ for all tensors and polls it against the deadline.
+buffers, posts one READ for all tensors and polls it against the deadline, then
+READs the object's seal (``_region_seals``; each slab registered once): UCX
+reads a dropped registration's memory as readily as a live one's.
 
 Freeing: ``garbage_collect`` releases an object's registrations; until every
 byte transport's extracted state reaches ``garbage_collect``, a finalizer on the
 object's first flat buffer does the same when the store drops the object.
-
-Measured here (2 cores, no RDMA NIC, so UCX uses tcp: NIXL needs peer-failure
-handling, which UCX's shared-memory transports lack), 512 MiB actor to actor:
-warm reads 1.6-1.7 GB/s median (tcp 1.4-1.5, cma 3.4-4.6); the first read into
-a fresh receive region 3.5-7 s; agent start ~0.6 s per process; a second
-export of a registered tensor 3 ms. Details and the command: docs/nixl.md.
+Figures and their commands: docs/nixl.md.
 """
 
 from __future__ import annotations
@@ -41,11 +34,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from raydirect import _process
 from raydirect._ranges import Ranges
-from raydirect.errors import ProducerLostError, TransferError
+from raydirect._region_seals import seal_value, seals
+from raydirect.errors import FREED_WHILE_HELD, ProducerLostError, TransferError
 from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
 log = logging.getLogger("raydirect")
@@ -189,6 +184,10 @@ def _mem(device: torch.device) -> tuple[str, int]:
     return ("VRAM", device.index or 0) if device.type == "cuda" else ("DRAM", 0)
 
 
+# A READ: the local and remote descriptors (address, bytes, device), their memory kinds.
+_Xfer = tuple[list[tuple[int, int, int]], list[tuple[int, int, int]], str, str]
+
+
 @dataclass
 class _Region:
     serial: int
@@ -211,6 +210,7 @@ class NixlTransport(ByteTransport):
     devices = ("cpu", "cuda")
     extract_in_background = True  # registration costs up to seconds on first use
     notify_sent = True
+    sealed = True  # a READ of the seal after the data: deregistering revokes nothing
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
@@ -219,6 +219,7 @@ class NixlTransport(ByteTransport):
         self._serials = 0
         self._regions: dict[tuple[str, int, int, int], _Region] = {}
         self._objects: dict[bytes, list[tuple[str, int, int, int]]] = {}
+        self._seal_slabs: dict[int, _Region] = {}  # by address; registered for good
         self._remotes: dict[str, _Remote] = {}
 
     # -- both sides
@@ -272,7 +273,11 @@ class NixlTransport(ByteTransport):
                     storage = t.untyped_storage()
                     mem, dev = _mem(t.device)
                     key = (mem, dev, storage.data_ptr(), storage.nbytes())
-                    region = self._regions.get(key) or self._register(agent, key)
+                    region = self._regions.get(key)
+                    if region is None:
+                        region = self._regions[key] = self._register(
+                            agent, (key[2], key[3], dev), mem
+                        )
                     if key not in keys:
                         keys.append(key)
                         region.users += 1
@@ -289,14 +294,24 @@ class NixlTransport(ByteTransport):
         extra = {"agent": agent.name, "conn": self._conn, "regions": sections, "descs": descs}
         return TensorTransportMetadata(tensor_meta=[], extra=extra)
 
-    def _register(self, agent: Any, key: tuple[str, int, int, int]) -> _Region:
-        mem, dev, base, size = key
-        reg = agent.register_memory([(base, size, dev, "")], mem, backends=["UCX"])
+    def with_seal(self, extra: dict[str, Any], slot: int) -> dict[str, Any]:
+        """The seal's word, where the reader READs it after the data: in the slab's
+        registration (one per slab, kept while the process lives, as slabs are)."""
+        base, size, word = seals.address(slot)
+        with self._lock:
+            region = self._seal_slabs.get(base)
+            if region is None:
+                region = self._seal_slabs[base] = self._register(self.agent(), (base, size, 0))
+        sections = {**extra["regions"], str(region.serial): [base, size, region.section]}
+        return {**extra, "regions": sections, "seal": slot, "seal_at": [word, region.serial]}
+
+    def _register(self, agent: Any, where: tuple[int, int, int], mem: str = "DRAM") -> _Region:
+        """A registration of ``where`` (address, size, device) and its section."""
+        base, size, _ = where
+        reg = agent.register_memory([(*where, "")], mem, backends=["UCX"])
         section = _b64(agent.get_partial_agent_metadata(reg, inc_conn_info=False))
         self._serials += 1
-        region = _Region(self._serials, base, size, reg, section)
-        self._regions[key] = region
-        return region
+        return _Region(self._serials, base, size, reg, section)
 
     def _drop(self, keys: list[tuple[str, int, int, int]]) -> None:
         with self._lock:
@@ -383,40 +398,34 @@ class NixlTransport(ByteTransport):
         if not local:
             return
         link.check_alive()
-        self._read(self.agent(), extra, local, remote, mem, remote_mem, link)
+        self._read(self.agent(), obj_id, extra, (local, remote, mem, remote_mem), link)
 
     def _read(
         self,
         agent: Any,
+        obj_id: bytes,
         extra: dict[str, Any],
-        local: list[tuple[int, int, int]],
-        remote: list[tuple[int, int, int]],
-        mem: str,
-        remote_mem: str,
+        descs: _Xfer,
         link: PeerMetadata,
     ) -> None:
-        reg = handle = None
+        """One READ of every tensor, then one of the seal: if it still holds once the
+        last byte landed, the producer had not freed the memory read."""
+        local, remote, mem, remote_mem = descs
+        seal = _seal_of(obj_id, extra, link)
+        found = np.zeros(1, dtype=np.uint64)
+        regs: list[Any] = []
         name: str = extra["agent"]
         try:
             self._load_remote(agent, extra)
-            reg = agent.register_memory([(*d, "") for d in local], mem, backends=["UCX"])
-            handle = agent.initialize_xfer(
-                "READ",
-                agent.get_xfer_descs(local, mem),
-                agent.get_xfer_descs(remote, remote_mem),
-                name,
-                backends=["UCX"],
-            )
-            state = agent.transfer(handle)
-            pause = 50e-6
-            while state == "PROC":
-                link.check_deadline()
-                time.sleep(pause)
-                pause = min(pause * 2, 2e-3)
-                state = agent.check_xfer_state(handle)
-            if state != "DONE":
-                raise TransferError(f"NIXL READ from {link.who} ended in state {state}")
-        except TimeoutError:
+            regs.append(agent.register_memory([(*d, "") for d in local], mem, backends=["UCX"]))
+            self._transfer(agent, name, (local, remote, mem, remote_mem), link)
+            landing = (found.ctypes.data, 8, 0)
+            regs.append(agent.register_memory([(*landing, "")], "DRAM", backends=["UCX"]))
+            self._transfer(agent, name, ([landing], [seal[0]], "DRAM", "DRAM"), link)
+            if int(found[0]) != seal[1]:
+                link.check_alive()  # an exited producer: it says so
+                raise ProducerLostError.of(link.who, FREED_WHILE_HELD)
+        except (TimeoutError, ProducerLostError):
             raise
         except Exception as exc:
             lost = self._lost(link, exc)
@@ -429,16 +438,38 @@ class NixlTransport(ByteTransport):
                 f"NIXL READ from {link.who} failed: {type(exc).__name__}: {exc}"
             ) from exc
         finally:
-            if handle is not None:
-                try:
-                    agent.release_xfer_handle(handle)
-                except Exception:
-                    log.debug("raydirect: NIXL transfer handle release failed", exc_info=True)
-            if reg is not None:
+            for reg in regs:
                 try:
                     agent.deregister_memory(reg, backends=["UCX"])
                 except Exception:
                     log.debug("raydirect: NIXL deregistration failed", exc_info=True)
+
+    @staticmethod
+    def _transfer(agent: Any, name: str, descs: _Xfer, link: PeerMetadata) -> None:
+        """One READ from agent ``name``, polled against the deadline; its handle released."""
+        local, remote, mem, remote_mem = descs
+        handle = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(local, mem),
+            agent.get_xfer_descs(remote, remote_mem),
+            name,
+            backends=["UCX"],
+        )
+        try:
+            state = agent.transfer(handle)
+            pause = 50e-6
+            while state == "PROC":
+                link.check_deadline()
+                time.sleep(pause)
+                pause = min(pause * 2, 2e-3)
+                state = agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(f"NIXL READ from {link.who} ended in state {state}")
+        finally:
+            try:
+                agent.release_xfer_handle(handle)
+            except Exception:
+                log.debug("raydirect: NIXL transfer handle release failed", exc_info=True)
 
     @staticmethod
     def _lost(link: PeerMetadata, exc: BaseException) -> str | None:
@@ -448,6 +479,15 @@ class NixlTransport(ByteTransport):
         if type(exc).__name__ == "nixlRemoteDisconnectError":
             return "disconnected (NIXL_ERR_REMOTE_DISCONNECT)"
         return None
+
+
+def _seal_of(obj_id: bytes, extra: dict[str, Any], link: PeerMetadata) -> tuple[Any, int]:
+    """(the descriptor of the object's seal word, what it must hold)."""
+    at = extra.get("seal_at")
+    word, serial = at if isinstance(at, list) and len(at) == 2 else (None, None)
+    if not isinstance(word, int) or word <= 0 or str(serial) not in extra["regions"]:
+        raise TransferError(f"corrupt transport metadata from {link.who}: seal_at={at!r}")
+    return (word, 8, 0), seal_value(obj_id, link.capability)
 
 
 def _forget_after_fork() -> None:
