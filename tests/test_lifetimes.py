@@ -122,7 +122,6 @@ def test_no_lease_behind_the_object(ray_session):
     payload = pending.payload
     assert isinstance(payload, Payload)
     assert payload.lease is None
-    assert payload.producer.transports == ()  # nixl never offered: its reads are not guarded
     del pending, payload, ref  # dropped unread: no lease tells the producer
     assert held(producer) == 1  # reads=1 without ttl= waits for its read
     ray.kill(producer)
@@ -243,8 +242,8 @@ def test_reads_racing_the_ttl_get_exact_bytes_or_an_error(stages, transport):
         ({"ttl": 0}, ValueError, "positive"),
         ({"ttl": float("inf")}, ValueError, "finite"),
         ({"ttl": "5"}, TypeError, "seconds"),
-        ({"reads": 1, "tensor_transport": "nixl"}, ValueError, "drop reads=/ttl="),
-        ({"ttl": 5, "tensor_transport": "gloo"}, ValueError, "cma, shm, tcp"),
+        ({"reads": 1, "tensor_transport": "cuda_ipc"}, ValueError, "drop reads=/ttl="),
+        ({"ttl": 5, "tensor_transport": "gloo"}, ValueError, "cma, nixl, shm, tcp"),
     ],
 )
 def test_bad_lifetimes_are_refused_at_decoration(kwargs, error, match):

@@ -218,3 +218,27 @@ def test_a_read_of_a_freed_object_raises_never_another_objects_bytes(ray_session
         fetch_value(pending.payload, forced="nixl")
     assert bool((rd.get(other, timeout=60, tensor_transport="nixl") == 7).all())
     ray.kill(p)
+
+
+@ray.remote(num_cpus=0)
+class NixlStage:
+    @rd.method(reads=1, tensor_transport="nixl")
+    def once(self, fill: int) -> torch.Tensor:
+        return torch.full((1 << 18,), fill, dtype=torch.int32)  # 1 MiB
+
+    def held(self) -> int:
+        return rd.local_stats().num_objects
+
+
+def test_an_object_read_once_over_nixl_is_freed_by_its_read(ray_session):
+    """reads=1 over nixl (an auto one, read across nodes, in tests/multinode): the
+    read's notice frees it; a later read names the lifetime."""
+    p = NixlStage.remote()
+    ref = p.once.remote(5)
+    got = rd.get(ref, timeout=60, tensor_transport="nixl")
+    assert bool((got == 5).all()) and got.numel() == 1 << 18
+    assert rd.local_stats().objects_received.get("nixl", 0) >= 1
+    wait_for(lambda: ray.get(p.held.remote()) == 0, what="freed by its one read")
+    with pytest.raises(rd.ProducerLostError, match=r"reads=1"):
+        rd.get(ref, timeout=60, tensor_transport="nixl")
+    ray.kill(p)

@@ -38,11 +38,11 @@ from raydirect._store import Serving, StoredObject, store
 
 log = logging.getLogger("raydirect")
 
-# What reads such an object: the transports whose reads are guarded as above.
-# nixl hands out registrations a seal cannot revoke (cuda_ipc's memory is a
-# device's, which lifetimes do not cover yet: ``_check_host_only``); a group's
-# send and a plug-in need the producer in the read, which a lease-free free races.
-TRANSPORTS = frozenset({"auto", "cma", "shm", "tcp"})
+# What reads such an object: the transports whose reads are guarded as above
+# (nixl READs the seal after its data). cuda_ipc's memory is a device's, which
+# lifetimes do not cover yet (``_check_host_only``); a group's send and a plug-in
+# need the producer in the read, which a lease-free free races.
+TRANSPORTS = frozenset({"auto", "cma", "nixl", "shm", "tcp"})
 _WAIT_LOG_S = 10.0
 # Deadlines of freed objects the ttl heap may hold beyond twice the live ones
 # before it is rebuilt without them (amortised: each rebuild follows as many frees).
@@ -67,6 +67,17 @@ class Lifetime:
             raise TypeError(f"ttl must be a number of seconds, got {ttl!r}")
         if ttl is not None and not (0 < ttl < math.inf):
             raise ValueError(f"ttl must be a positive, finite number of seconds, got {ttl}")
+
+    def check_devices(self, devices: list[str], label: str) -> None:
+        """``ValueError`` unless the tensors lie in host memory: all this covers yet."""
+        others = set(devices) - {"cpu"}
+        if others:
+            raise ValueError(
+                f"{label} returned tensors on {', '.join(sorted(others))} under "
+                f"rd.method({self.describe()}), which covers host (CPU) tensors for now; "
+                "drop reads=/ttl= (the default lifetime covers every device), or return "
+                "CPU tensors"
+            )
 
     def describe(self) -> str:
         """As the user wrote it: ``reads=2, ttl=30``."""
@@ -105,6 +116,7 @@ class Lifetimes:
     def start(self, obj: StoredObject, lifetime: Lifetime) -> None:
         """Guard ``obj`` (not yet in the store) and start its lifetime."""
         obj.live = Serving()
+        obj.lifetime = lifetime.describe()
         with self._lock:
             self._tracked[obj.obj_id] = _Tracked(obj, lifetime, lifetime.reads)
             if lifetime.ttl is not None:

@@ -27,7 +27,7 @@ import torch
 from raydirect import _groups, _process, _ray, _runtime, _server, _wire
 from raydirect._collector import collector_paused
 from raydirect._lease import leases
-from raydirect._lifetime import TRANSPORTS, Lifetime, lifetimes
+from raydirect._lifetime import Lifetime, lifetimes
 from raydirect._payload import (
     PREPARING,
     InlineValue,
@@ -142,6 +142,8 @@ def _extract(obj: StoredObject, name: str, background: bool, extract: Callable[[
 def _byte_extra(transport: Any, obj: StoredObject) -> dict[str, Any]:
     # Byte transports keep only the ``extra`` dict: the rest is in the Payload.
     extra = dict(transport.extract_tensor_transport_metadata(obj.obj_id, obj.buffers).extra)
+    if transport.sealed and obj.lifetime:  # what a failed seal says
+        extra["lifetime"] = obj.lifetime
     return transport.with_seal(extra, obj.seal) if transport.sealed else extra
 
 
@@ -168,8 +170,6 @@ def _prepare_on_request(obj: StoredObject, name: str) -> Future[Any]:
     transport = transport_instance(name)
     if not (transport.byte_transport and transport.extract_in_background):
         raise ValueError(f"{name!r} is not prepared on request")
-    if obj.live is not None:
-        raise ValueError(f"{name!r} cannot read it: {sorted(TRANSPORTS)} read this object only")
     with obj.lock:
         if obj.freed:
             raise ProducerLostError.freed_meanwhile()
@@ -250,7 +250,7 @@ def _export(
         return InlineValue.of(parts, label)
     _check_devices(transport, parts.metas, label)
     if lifetime is not None:
-        _check_host_only(parts.metas, label)
+        lifetime.check_devices(parts.metas.devices, label)
     _forget_earlier_sessions()
     agent = _runtime.agent()
     obj = _stored(parts, transport, label)
@@ -261,7 +261,7 @@ def _export(
         if lifetime is None:
             transport_meta = _extract_all(obj, transport, parts, plugin)
         else:
-            transport_meta = _guarded(obj, lifetime)
+            transport_meta = _guarded(obj, transport, lifetime)
         lease = _lease_for(obj.obj_id, caller_lease) if leased else None
     except BaseException:
         store.free(obj.obj_id)
@@ -273,7 +273,7 @@ def _export(
         start_time=_process.START_TIME,
         process_token=_process.PROCESS_TOKEN,
         label=label,
-        transports=_served_on_request() if lifetime is None else (),  # no nixl: see _lifetime
+        transports=_served_on_request(),
     )
     return Payload(
         obj_id=obj.obj_id,
@@ -297,22 +297,16 @@ def _lease_for(
     return lease if lease is not None else leases.take(lambda: store.free_later(obj_id))
 
 
-def _check_host_only(metas: Any, label: str) -> None:
-    devices = set(metas.devices) - {"cpu"}
-    if devices:
-        raise ValueError(
-            f"{label} returned tensors on {', '.join(sorted(devices))} under reads=/ttl=, "
-            "which cover host (CPU) tensors for now; drop reads=/ttl= (the default "
-            "lifetime covers every device), or return CPU tensors"
-        )
-
-
-def _guarded(obj: StoredObject, lifetime: Lifetime) -> dict[str, Any]:
+def _guarded(obj: StoredObject, transport: str, lifetime: Lifetime) -> dict[str, Any]:
     """Start ``obj``'s lifetime; the metadata its readers need, as a region's:
-    ``cma`` checks the seal, ``shm`` and ``tcp`` reads are copied out by the agent."""
+    ``cma`` and ``nixl`` check the seal, ``shm`` and ``tcp`` reads are copied out
+    by the agent."""
     lifetimes.start(obj, lifetime)
-    cross = _byte_extra(transport_instance("cma"), obj)
-    return {"cma": {**cross, "lifetime": lifetime.describe()}, "shm": {"live": True}}
+    metas = {"cma": _byte_extra(transport_instance("cma"), obj), "shm": {"live": True}}
+    if transport == "nixl":  # else prepared when a reader asks (``_prepare_on_request``)
+        extract = functools.partial(_byte_extra, transport_instance("nixl"), obj)
+        metas["nixl"] = _extract(obj, "nixl", True, extract)
+    return metas
 
 
 def _forget_earlier_sessions() -> None:

@@ -135,6 +135,8 @@ class StoredObject:
     freed: bool = False  # set under ``lock`` before its transport state is released
     # Its seal's slot (``Store.seal``), released when it is freed or closed.
     seal: int | None = None
+    # Its opt-in lifetime as written (``reads=1, ttl=30``): what a failed seal says.
+    lifetime: str | None = None
     # A region's (``_regions``): its bytes change, and closing waits for the reads
     # served from it; None for an object (its bytes are fixed once exported).
     live: Serving | None = None

@@ -41,6 +41,8 @@ its text carries the message below, which says what happened and what to do.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import ray.exceptions
 
 __all__ = [
@@ -112,6 +114,19 @@ class ProducerLostError(RaydirectError):
         seal, ``ReadSeal``): Ray still hands out a borrowed value whose owner
         died, and that death freed the object (``_caller_leases``)."""
         return cls.of(who, FREED_WHILE_HELD)
+
+    @classmethod
+    def by_seal(cls, who: str, extra: Mapping[str, object]) -> ProducerLostError:
+        """Raised in a consumer whose check of the object's seal failed (``cma``,
+        ``cuda_ipc``: ``ReadSeal``; ``nixl``): what the producer did, from the
+        metadata ``extra``: the object's lifetime ended, its region was closed,
+        or it was freed while a ref was held."""
+        lifetime = extra.get("lifetime")
+        if lifetime:
+            return cls.of(who, f"freed the object: its lifetime (rd.method({lifetime})) ended")
+        if extra.get("region"):
+            return cls.of(who, "holds no such region (it was closed)")
+        return cls.freed_while_held(who)
 
     @classmethod
     def of_region(cls, region: str, what_happened: str) -> ProducerLostError:

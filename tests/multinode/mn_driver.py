@@ -130,6 +130,10 @@ class Base:
     def make_gloo(self, kind: str) -> Any:
         return self._value(kind)
 
+    @rd.method(reads=1)
+    def make_once(self, kind: str) -> Any:
+        return make_value(kind)
+
     def info(self) -> dict[str, Any]:
         return {
             "pid": os.getpid(),
@@ -200,6 +204,26 @@ def caller_leases_across_nodes(results: dict[str, Any]) -> None:
 
     attempt(results, "caller_leases/dropped", lambda: freed_when(dropped))
     attempt(results, "caller_leases/caller_died", lambda: freed_when(ray.kill))
+
+
+def read_once_across_nodes(results: dict[str, Any], producer: Any, consumer: Any) -> None:
+    """A reads=1 object made on node B, read on node A (over nixl where installed:
+    the producer prepares it on request): its one read frees it; a second read
+    names the lifetime. First of the scenario: the producer holds nothing else."""
+    ref = producer.make_once.remote("pattern")
+
+    def read() -> dict:
+        return ray.get(consumer.read_nested.remote([ref], "pattern"), timeout=GET_TIMEOUT_S)
+
+    def held_after_read() -> int:
+        deadline = time.monotonic() + 60
+        while ray.get(producer.held.remote()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return ray.get(producer.held.remote(), timeout=GET_TIMEOUT_S)
+
+    attempt(results, "once/first", read)
+    attempt(results, "once/held", held_after_read)
+    attempt(results, "once/second", read)
 
 
 def read_and_check(ref: Any, kind: str, transport: str | None = None) -> dict:
@@ -297,6 +321,7 @@ def scenario_transfers(address: str) -> dict[str, Any]:
     results["producer"] = ray.get(producer.info.remote(), timeout=GET_TIMEOUT_S)
     results["consumer"] = ray.get(consumer.info.remote(), timeout=GET_TIMEOUT_S)
     results["driver"] = {"ip": ray.util.get_node_ip_address()}
+    read_once_across_nodes(results, producer, consumer)
 
     on_a = on("nodeA")
     for kind in ("pattern", "dtypes"):

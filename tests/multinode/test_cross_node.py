@@ -46,6 +46,17 @@ def test_auto_across_nodes_uses_nixl_or_tcp(report, reader, kind):
     }
 
 
+def test_an_object_read_once_across_nodes_is_freed_by_its_read(report):
+    """reads=1: over nixl where installed (the seal guards it), else tcp."""
+    assert entry(report, "once/first") == {
+        "mismatch": None,
+        "received": {mn_harness.CROSS_NODE: 1},
+    }
+    assert entry(report, "once/held") == 0
+    second = report["once/second"]["error"]
+    assert second["is_producer_lost"] and "reads=1" in second["message"], second
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_auto_across_nodes_as_task_argument(report, kind):
     assert entry(report, f"auto/{kind}/task_arg") is None  # no mismatch

@@ -54,7 +54,6 @@ from raydirect._channel import Channel
 from raydirect._ranges import Ranges
 from raydirect._region_seals import Seal, seal_value
 from raydirect.errors import (
-    FREED_WHILE_HELD,
     ProducerLostError,
     TransferError,
     TransportUnavailableError,
@@ -198,16 +197,7 @@ class ReadSeal:
     def check(self) -> None:
         if not self._seal.holds():
             self._link.check_alive()  # an exited producer's seals are gone with it
-            raise ProducerLostError.of(self._link.who, self._gone())
-
-    def _gone(self) -> str:
-        """What a failed check says the producer did."""
-        lifetime = self._extra.get("lifetime")
-        if lifetime:
-            return f"freed the object: its lifetime (rd.method({lifetime})) ended"
-        if self._extra.get("region"):
-            return "holds no such region (it was closed)"
-        return FREED_WHILE_HELD
+            raise ProducerLostError.by_seal(self._link.who, self._extra)
 
 
 def metadata_classes() -> dict[str, type]:

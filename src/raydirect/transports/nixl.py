@@ -40,7 +40,7 @@ import torch
 from raydirect import _process
 from raydirect._ranges import Ranges
 from raydirect._region_seals import seal_value, seals
-from raydirect.errors import FREED_WHILE_HELD, ProducerLostError, TransferError
+from raydirect.errors import ProducerLostError, TransferError
 from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
 
 log = logging.getLogger("raydirect")
@@ -424,7 +424,7 @@ class NixlTransport(ByteTransport):
             self._transfer(agent, name, ([landing], [seal[0]], "DRAM", "DRAM"), link)
             if int(found[0]) != seal[1]:
                 link.check_alive()  # an exited producer: it says so
-                raise ProducerLostError.of(link.who, FREED_WHILE_HELD)
+                raise ProducerLostError.by_seal(link.who, extra)
         except (TimeoutError, ProducerLostError):
             raise
         except Exception as exc:
