@@ -20,6 +20,7 @@ from raydirect._payload import ProducerInfo
 from raydirect._region_seals import Seal, Seals, seal_value, seals, slab_path
 from raydirect.errors import ProducerLostError, TransferError, TransportUnavailableError
 from raydirect.transports.base import PeerMetadata, ReadSeal
+from raydirect.transports.nixl import _seal_of as nixl_seal_of
 from raydirect.transports.shm import sweep_dead_segments
 
 # A producer process: takes and releases seals as told on stdin, one command a line.
@@ -122,6 +123,22 @@ def test_a_read_whose_metadata_names_a_bad_slot_fails_saying_so():
     with pytest.raises(TransferError, match="corrupt transport metadata from P.v"):
         ReadSeal(b"obj", {"seal": "0"}, link)
     assert ReadSeal.of(b"obj", {}, link) is None  # no seal named: nothing to check
+
+
+@pytest.mark.parametrize(
+    "seal_at",
+    [None, [1], [1, 2, 3], ["1", 7], [0, 7], [-8, 7], [True, 7], [4096, 8], "4096,7"],
+)
+def test_a_nixl_read_whose_metadata_places_the_seal_badly_fails_saying_so(seal_at):
+    """``nixl`` READs the seal where the metadata says: a word in a registration
+    the metadata carries (here serial 7), nothing else, checked before any READ."""
+    extra = {"regions": {"7": [4096, 65536, "section"]}, "seal_at": seal_at}
+    with pytest.raises(TransferError, match="corrupt transport metadata from P.v"):
+        nixl_seal_of(b"obj", extra, _own_link())
+    assert nixl_seal_of(b"obj", {**extra, "seal_at": [4096, 7]}, _own_link()) == (
+        (4096, 8, 0),
+        seal_value(b"obj", b"cap"),
+    )
 
 
 def test_a_failed_check_says_what_the_producer_did():

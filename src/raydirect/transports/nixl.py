@@ -485,7 +485,7 @@ def _seal_of(obj_id: bytes, extra: dict[str, Any], link: PeerMetadata) -> tuple[
     """(the descriptor of the object's seal word, what it must hold)."""
     at = extra.get("seal_at")
     word, serial = at if isinstance(at, list) and len(at) == 2 else (None, None)
-    if not isinstance(word, int) or word <= 0 or str(serial) not in extra["regions"]:
+    if type(word) is not int or word <= 0 or str(serial) not in extra["regions"]:
         raise TransferError(f"corrupt transport metadata from {link.who}: seal_at={at!r}")
     return (word, 8, 0), seal_value(obj_id, link.capability)
 
