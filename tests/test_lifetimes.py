@@ -242,10 +242,17 @@ def test_reads_racing_the_ttl_get_exact_bytes_or_an_error(stages, transport):
         ({"ttl": 0}, ValueError, "positive"),
         ({"ttl": float("inf")}, ValueError, "finite"),
         ({"ttl": "5"}, TypeError, "seconds"),
-        ({"reads": 1, "tensor_transport": "cuda_ipc"}, ValueError, "drop reads=/ttl="),
-        ({"ttl": 5, "tensor_transport": "gloo"}, ValueError, "cma, nixl, shm, tcp"),
+        ({"reads": 1, "tensor_transport": "nccl"}, ValueError, "drop reads=/ttl="),
+        ({"ttl": 5, "tensor_transport": "gloo"}, ValueError, "cma, cuda_ipc, nixl, shm, tcp"),
     ],
 )
 def test_bad_lifetimes_are_refused_at_decoration(kwargs, error, match):
     with pytest.raises(error, match=match):
         rd.method(**kwargs)
+
+
+@pytest.mark.parametrize("transport", ["cuda_ipc", "nixl"])
+def test_one_sided_transports_that_check_the_seal_carry_lifetimes(transport):
+    """Their reads check the object's seal after their copies (CUDA memory too):
+    tests/gpu and tests/test_nixl.py read such objects."""
+    rd.method(reads=1, ttl=30, tensor_transport=transport)  # not refused

@@ -9,17 +9,20 @@ each after its ``reads``-th read or ``ttl`` seconds after it was made, whichever
 comes first, whatever refs to it remain.
 
 Freed while refs remain, such an object is guarded as a region is
-(``_regions``): cross-memory readers check a seal before and after they read,
-the agent copies the reads it serves (``shm``, ``tcp``) out under ``Serving``,
-and the free zeroes the seal and waits for those copies before the memory can
-go (``release``, from the store's free). A read after the free gets
-``ProducerLostError`` naming the lifetime (``store.why_freed``), never stale or foreign
-bytes. The seal is every object's (``Store.seal``); what a lifetime adds is
-``Serving``.
+(``_regions``): readers that copy from its memory without the producer's agent
+(``cma``, ``cuda_ipc``, ``nixl``) check a seal after they read, the agent
+copies the reads it serves (``shm``, ``tcp``) out under ``Serving``, and the
+free zeroes the seal and waits for those copies before the memory can go
+(``release``, from the store's free). A read after the free gets
+``ProducerLostError`` naming the lifetime (``store.why_freed``), never stale or
+foreign bytes. The seal is every object's (``Store.seal``); what a lifetime adds
+is ``Serving``. Host and CUDA memory alike: on the GPU, ``cuda_ipc`` on one node
+and ``nixl`` across nodes.
 
 A read counts when the producer learns of it: an ``shm`` or ``tcp`` read when
-its agent serves it, a read in this process when it is made, a ``cma`` read when
-its notice arrives (``_notices``: 2-20 ms after it). So a read that starts
+its agent serves it, a read in this process when it is made, a one-sided read
+(``cma``, ``cuda_ipc``, ``nixl``) when its notice arrives (``_notices``: 2-20 ms
+after it). So a read that starts
 before the last counted one's notice arrives still succeeds: the count frees
 memory, it does not ration reads.
 """
@@ -39,10 +42,9 @@ from raydirect._store import Serving, StoredObject, store
 log = logging.getLogger("raydirect")
 
 # What reads such an object: the transports whose reads are guarded as above
-# (nixl READs the seal after its data). cuda_ipc's memory is a device's, which
-# lifetimes do not cover yet (``_check_host_only``); a group's send and a plug-in
-# need the producer in the read, which a lease-free free races.
-TRANSPORTS = frozenset({"auto", "cma", "nixl", "shm", "tcp"})
+# (nixl READs the seal after its data). A group's send and a plug-in need the
+# producer in the read, which a lease-free free races.
+TRANSPORTS = frozenset({"auto", "cma", "cuda_ipc", "nixl", "shm", "tcp"})
 _WAIT_LOG_S = 10.0
 # Deadlines of freed objects the ttl heap may hold beyond twice the live ones
 # before it is rebuilt without them (amortised: each rebuild follows as many frees).
@@ -67,17 +69,6 @@ class Lifetime:
             raise TypeError(f"ttl must be a number of seconds, got {ttl!r}")
         if ttl is not None and not (0 < ttl < math.inf):
             raise ValueError(f"ttl must be a positive, finite number of seconds, got {ttl}")
-
-    def check_devices(self, devices: list[str], label: str) -> None:
-        """``ValueError`` unless the tensors lie in host memory: all this covers yet."""
-        others = set(devices) - {"cpu"}
-        if others:
-            raise ValueError(
-                f"{label} returned tensors on {', '.join(sorted(others))} under "
-                f"rd.method({self.describe()}), which covers host (CPU) tensors for now; "
-                "drop reads=/ttl= (the default lifetime covers every device), or return "
-                "CPU tensors"
-            )
 
     def describe(self) -> str:
         """As the user wrote it: ``reads=2, ttl=30``."""

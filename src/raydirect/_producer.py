@@ -249,8 +249,6 @@ def _export(
     if inline and transport == AUTO and _inline(parts.metas):
         return InlineValue.of(parts, label)
     _check_devices(transport, parts.metas, label)
-    if lifetime is not None:
-        lifetime.check_devices(parts.metas.devices, label)
     _forget_earlier_sessions()
     agent = _runtime.agent()
     obj = _stored(parts, transport, label)
@@ -299,10 +297,13 @@ def _lease_for(
 
 def _guarded(obj: StoredObject, transport: str, lifetime: Lifetime) -> dict[str, Any]:
     """Start ``obj``'s lifetime; the metadata its readers need, as a region's:
-    ``cma`` and ``nixl`` check the seal, ``shm`` and ``tcp`` reads are copied out
-    by the agent."""
+    ``cma``, ``cuda_ipc`` and ``nixl`` check the seal, ``shm`` and ``tcp`` reads
+    are copied out by the agent."""
     lifetimes.start(obj, lifetime)
-    metas = {"cma": _byte_extra(transport_instance("cma"), obj), "shm": {"live": True}}
+    if "cuda" in obj.metas.devices:
+        metas = {"cuda_ipc": _byte_extra(transport_instance("cuda_ipc"), obj)}
+    else:
+        metas = {"cma": _byte_extra(transport_instance("cma"), obj), "shm": {"live": True}}
     if transport == "nixl":  # else prepared when a reader asks (``_prepare_on_request``)
         extract = functools.partial(_byte_extra, transport_instance("nixl"), obj)
         metas["nixl"] = _extract(obj, "nixl", True, extract)

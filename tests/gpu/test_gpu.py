@@ -222,6 +222,10 @@ class Peer:
     def sized(self, nbytes: int) -> torch.Tensor:
         return torch.full((nbytes,), 3, dtype=torch.uint8, device="cuda")  # not kept here
 
+    @rd.method(reads=1)
+    def sized_once(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), 3, dtype=torch.uint8, device="cuda")
+
     @rd.method(tensor_transport="nixl")
     def sized_nixl(self, nbytes: int) -> torch.Tensor:
         return torch.full((nbytes,), 3, dtype=torch.uint8, device="cuda")
@@ -729,6 +733,26 @@ def test_a_read_through_a_dead_callers_ref_is_refused_never_another_tensors_byte
     ray.get(p.occupy.remote(nbytes, 4), timeout=TIMEOUT)
     said = ray.get(r.read_held.remote(), timeout=TIMEOUT)
     assert said.startswith("ProducerLostError") and "freed the object" in said, said
+
+
+def test_a_cuda_object_read_once_is_freed_by_its_read(own_pair):
+    """reads=1 on device memory (a pipeline stage's hand-off): its one read over
+    cuda_ipc frees it, memory and all, while the ref lives; a second read, after
+    the memory went to tensors of sevens, names the lifetime (the seal)."""
+    p, r = own_pair
+    _driver_refs_released()
+    base = ray.get(p.memory.remote())
+    nbytes = 64 * MiB
+    ref = p.sized_once.remote(nbytes)
+    measured = ray.get(r.read_and_measure.remote([ref]), timeout=TIMEOUT)
+    assert measured["ok"], measured
+    wait_for(
+        lambda: ray.get(p.stats.remote()).num_objects == 0, timeout=60, what="freed by its read"
+    )
+    wait_for(lambda: ray.get(p.memory.remote()) <= base, timeout=60, what="its CUDA memory back")
+    ray.get(p.occupy.remote(nbytes, 2), timeout=TIMEOUT)
+    said = ray.get(r.try_read.remote([ref]), timeout=TIMEOUT)
+    assert said.startswith("ProducerLostError") and "reads=1" in said, said
 
 
 def _failed(reader: Any) -> dict | None:
