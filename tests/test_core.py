@@ -6,12 +6,15 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import sys
 import threading
 from typing import Any
 
 import pytest
 import ray
+import torch
 import zmq
+from ray import cloudpickle
 
 import raydirect as rd
 from raydirect import _api, _broadcast, _choice, _consumer, _into, _producer
@@ -22,6 +25,7 @@ from helpers import agent_dealer
 from plugin_transports import GatedPrepareTransport
 
 _CONTEXT = zmq.Context()  # the test's own sockets, not raydirect's channels
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # helpers run in actors
 
 
 def _request(**fields: Any) -> bytes:
@@ -87,6 +91,32 @@ def test_control_ops_are_served_while_slow_sends_fill_the_data_lane(producer):
         sock.close()
     os.unlink(gate)
     assert [actors.check_value("dtypes", v) for v in rd.get(refs, timeout=60)] == [None] * 6
+
+
+def _export_a_region(self: Any) -> dict:
+    self.region = rd.export_region({"k": torch.zeros(1 << 16)})
+    return self.region.handle().to_dict()
+
+
+def _registered_anything(_self: Any) -> bool:
+    from raydirect.transports.registry import _instances
+
+    return "nixl" in _instances and _instances["nixl"].registered_bytes() != (0, 0)
+
+
+def test_an_agent_asked_to_prepare_a_region_for_nixl_refuses(producer):
+    """Regions are read with rd.read_ranges; a request to register one for nixl
+    (what a reader of an object across nodes sends) is refused, registering
+    nothing its close would not release."""
+    p, address = producer
+    handle = ray.get(p.__ray_call__.remote(_export_a_region))
+    ask = _request(
+        op="meta", obj=handle["region"], cap=handle["capability"], transport="nixl", prepare=True
+    )
+    reply = _ask(address, ask, timeout_s=30)
+    assert reply is not None and reply["ok"] is False, reply
+    assert "rd.read_ranges" in reply["error"], reply
+    assert not ray.get(p.__ray_call__.remote(_registered_anything))
 
 
 class _SlowPool:

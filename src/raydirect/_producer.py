@@ -170,6 +170,8 @@ def _prepare_on_request(obj: StoredObject, name: str) -> Future[Any]:
     transport = transport_instance(name)
     if not (transport.byte_transport and transport.extract_in_background):
         raise ValueError(f"{name!r} is not prepared on request")
+    if obj.live is not None and obj.lifetime is None:  # a region: its close frees nothing
+        raise ValueError(f"{name!r} does not read regions: rd.read_ranges does")
     with obj.lock:
         if obj.freed:
             raise ProducerLostError.freed_meanwhile()
