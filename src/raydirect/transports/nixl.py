@@ -295,15 +295,15 @@ class NixlTransport(ByteTransport):
         return TensorTransportMetadata(tensor_meta=[], extra=extra)
 
     def with_seal(self, extra: dict[str, Any], slot: int) -> dict[str, Any]:
-        """The seal's word, where the reader READs it after the data: in the slab's
-        registration (one per slab, kept while the process lives, as slabs are)."""
+        """Where the seal's word lies (the reader READs it after the data; no slot):
+        in the slab's registration, one per slab, kept while the process lives."""
         base, size, word = seals.address(slot)
         with self._lock:
             region = self._seal_slabs.get(base)
             if region is None:
                 region = self._seal_slabs[base] = self._register(self.agent(), (base, size, 0))
         sections = {**extra["regions"], str(region.serial): [base, size, region.section]}
-        return {**extra, "regions": sections, "seal": slot, "seal_at": [word, region.serial]}
+        return {**extra, "regions": sections, "seal_at": [word, region.serial]}
 
     def _register(self, agent: Any, where: tuple[int, int, int], mem: str = "DRAM") -> _Region:
         """A registration of ``where`` (address, size, device) and its section."""
@@ -410,7 +410,7 @@ class NixlTransport(ByteTransport):
     ) -> None:
         """One READ of every tensor, then one of the seal: if it still holds once the
         last byte landed, the producer had not freed the memory read."""
-        local, remote, mem, remote_mem = descs
+        local, _, mem, _ = descs
         seal = _seal_of(obj_id, extra, link)
         found = np.zeros(1, dtype=np.uint64)
         regs: list[Any] = []
@@ -418,7 +418,7 @@ class NixlTransport(ByteTransport):
         try:
             self._load_remote(agent, extra)
             regs.append(agent.register_memory([(*d, "") for d in local], mem, backends=["UCX"]))
-            self._transfer(agent, name, (local, remote, mem, remote_mem), link)
+            self._transfer(agent, name, descs, link)
             landing = (found.ctypes.data, 8, 0)
             regs.append(agent.register_memory([(*landing, "")], "DRAM", backends=["UCX"]))
             self._transfer(agent, name, ([landing], [seal[0]], "DRAM", "DRAM"), link)
