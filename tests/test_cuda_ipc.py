@@ -205,7 +205,7 @@ def test_auto_never_picks_nixl_on_one_node_for_cuda_memory():
 
 
 def test_nixl_ucx_settings_make_device_lanes_eligible_where_asked():
-    from raydirect.transports.nixl import ucx_settings
+    from raydirect.transports.nixl_agent import ucx_settings
 
     assert ucx_settings({}, cuda=True) == ({}, {})  # NIXL's and UCX's defaults, untouched
     none = {"RAYDIRECT_NIXL_UCX_ERROR_MODE": "none"}

@@ -4,20 +4,28 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
 
 import pytest
 import ray
 import torch
+from ray import cloudpickle
 
 import raydirect as rd
 from raydirect import _server, _wire
 from raydirect._store import store
+from raydirect.transports import nixl_agent
 from raydirect.transports.registry import transport_instance
 
+import plugin_transports
 from actors import Consumer, Producer, check_value
 from actors import make_value as actors_value
 from helpers import shm_segments, wait_for
+from plugin_transports import PickleShmTransport
+
+cloudpickle.register_pickle_by_value(sys.modules[__name__])
+cloudpickle.register_pickle_by_value(plugin_transports)
 
 
 def held(p) -> int:
@@ -113,6 +121,49 @@ def test_many_objects_leave_nothing_behind(pair):
     assert stats.num_bytes == 0
     # Segments are pooled for reuse, not one per object.
     assert len(shm_segments() - before) <= 2
+
+
+def _put_watched(self, transport: str) -> list[ray.ObjectRef]:
+    """An rd.put of a tensor only the object keeps, and a weak reference to its memory."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    t = torch.full((1 << 18,), 5, dtype=torch.int32)
+    self.watched = StorageWeakRef(t.untyped_storage())
+    return [rd.put(t, tensor_transport=transport)]
+
+
+def _collector(_self, on: bool) -> None:
+    import gc
+
+    (gc.enable if on else gc.disable)()
+
+
+def _watched_alive(self) -> bool:
+    return not self.watched.expired()
+
+
+NIXL = pytest.param("nixl", marks=pytest.mark.skipif(not nixl_agent.available(), reason="no NIXL"))
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp", "shm", "pickle_shm", NIXL])
+def test_a_free_releases_the_memory_without_the_cyclic_collector(pair, transport):
+    """The free itself lets the tensors go: nothing of raydirect's holds an object
+    in a reference cycle. Objects prepared in the background (plug-ins, nixl) were
+    held by one (object -> its preparation's future -> the done-callback -> object)
+    until Python's cyclic collector ran, which in a Ray worker can be minutes."""
+    p, _ = pair
+    rd.register_tensor_transport("pickle_shm", ["cpu"], PickleShmTransport, replace=True)
+    [ref] = ray.get(p.__ray_call__.remote(_put_watched, transport))
+    assert bool((rd.get(ref, timeout=60) == 5).all())
+    ray.get(p.__ray_call__.remote(_collector, False))  # only reference counting frees now
+    try:
+        del ref
+        wait_for(lambda: held(p) == 0, what="object freed")
+        assert not ray.get(p.__ray_call__.remote(_watched_alive)), (
+            "the freed object's tensor waits for Python's cyclic collector"
+        )
+    finally:
+        ray.get(p.__ray_call__.remote(_collector, True))
 
 
 def test_producer_blocked_forever_still_serves(pair):

@@ -16,10 +16,10 @@ from ray import cloudpickle
 import raydirect as rd
 from raydirect._consumer import fetch_value
 from raydirect._payload import get_deferred
-from raydirect.transports import nixl as nixl_transport
+from raydirect.transports import nixl_agent
 
-if not nixl_transport.available():
-    pytest.skip(f"NIXL is not installed ({nixl_transport.INSTALL_HINT})", allow_module_level=True)
+if not nixl_agent.available():
+    pytest.skip(f"NIXL is not installed ({nixl_agent.INSTALL_HINT})", allow_module_level=True)
 
 import actors  # noqa: E402
 from helpers import wait_for  # noqa: E402
@@ -216,6 +216,28 @@ def test_a_read_of_a_freed_object_raises_never_another_objects_bytes(ray_session
     [other] = ray.get(p.__ray_call__.remote(_export_arena, 7))  # the same memory, sevens
     with pytest.raises(rd.ProducerLostError, match="freed the object"):
         fetch_value(pending.payload, forced="nixl")
+    assert bool((rd.get(other, timeout=60, tensor_transport="nixl") == 7).all())
+    ray.kill(p)
+
+
+def _export_unkept(_self: Any, nbytes: int, fill: int) -> list[ray.ObjectRef]:
+    """An object whose tensor only the object keeps: at 64 MiB, beyond malloc's
+    largest mmap threshold (32 MiB), its free unmaps the memory."""
+    return [rd.put(torch.full((nbytes,), fill, dtype=torch.uint8), tensor_transport="nixl")]
+
+
+def test_a_read_of_an_object_freed_and_unmapped_says_freed_not_disconnected(ray_session):
+    """UCX drops the connection when a READ finds the producer's memory unmapped;
+    the producer lives, so the read asks the seal again on a new connection and
+    says the object was freed (it said "disconnected"), and the next read works."""
+    p = patched(actors.Producer.remote())
+    [ref] = ray.get(p.__ray_call__.remote(_export_unkept, 64 * MiB, 3))
+    [pending] = get_deferred([ref])
+    assert bool((fetch_value(pending.payload, forced="nixl") == 3).all())  # metadata kept
+    ray.get(p.__ray_call__.remote(_free_everything))
+    with pytest.raises(rd.ProducerLostError, match="freed the object"):
+        fetch_value(pending.payload, forced="nixl")
+    [other] = ray.get(p.__ray_call__.remote(_export_unkept, 64 * MiB, 7))
     assert bool((rd.get(other, timeout=60, tensor_transport="nixl") == 7).all())
     ray.kill(p)
 

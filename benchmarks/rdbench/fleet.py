@@ -60,9 +60,9 @@ class Config:
 
 def raydirect_nixl_missing() -> str | None:
     """Why raydirect's ``nixl`` transport cannot run here, or None."""
-    from raydirect.transports import nixl
+    from raydirect.transports import nixl_agent
 
-    return None if nixl.available() else f"NIXL not installed: {nixl.INSTALL_HINT}"
+    return None if nixl_agent.available() else f"NIXL not installed: {nixl_agent.INSTALL_HINT}"
 
 
 def rdt_nixl_missing() -> str | None:

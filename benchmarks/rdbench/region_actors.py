@@ -21,7 +21,7 @@ import torch
 
 import raydirect as rd
 from raydirect import _region_rows
-from raydirect.transports import nixl as rd_nixl  # NIXL itself is imported on first use
+from raydirect.transports import nixl_agent  # NIXL itself is imported on first use
 from rdbench.common import (
     ACTOR_NUM_CPUS,
     DTYPE,
@@ -71,9 +71,9 @@ def _nixl_agent(role: str) -> Any:
     """A NIXL agent (UCX), with raydirect's progress-thread pause (1 ms unless
     ``RAYDIRECT_NIXL_PROGRESS_DELAY_US`` says otherwise: NIXL's own 0 would keep
     a core of this 2-core machine busy for the process's life)."""
-    api = rd_nixl._nixl_api()
+    api = nixl_agent.nixl_api()
     config = api.nixl_agent_config(enable_prog_thread=True, backends=["UCX"])
-    return rd_nixl._new_agent(api, f"bench-{role}-{os.getpid()}", config)
+    return nixl_agent.new_agent(api, f"bench-{role}-{os.getpid()}", config)
 
 
 @ray.remote(num_cpus=ACTOR_NUM_CPUS)

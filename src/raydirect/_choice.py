@@ -32,7 +32,7 @@ from typing import Any
 from raydirect import _ray, _tls, _wire
 from raydirect._payload import Payload, ProducerInfo
 from raydirect.errors import GroupError, TransferError, TransportUnavailableError
-from raydirect.transports import nixl
+from raydirect.transports import nixl_agent
 from raydirect.transports.registry import AUTO, check_name, transport_class, transport_instance
 
 log = logging.getLogger("raydirect")
@@ -187,7 +187,7 @@ def _choose_auto(payload: Payload, same_node: bool) -> str:
     if (
         CROSS_NODE_ENGINE in producer.transports
         and producer not in refused_nixl
-        and nixl.installed()
+        and nixl_agent.installed()
     ):
         return CROSS_NODE_ENGINE
     backend = "nccl" if cuda else "gloo"  # a group both are in, if any

@@ -43,7 +43,7 @@ from raydirect._server import CONTROL, DATA, Reply
 from raydirect._store import StoredObject, capability_of, store
 from raydirect._tensors import TensorMetas, flat_bytes, storage_keys, version_counters
 from raydirect.errors import ProducerLostError, TransferError
-from raydirect.transports import nixl
+from raydirect.transports import nixl_agent
 from raydirect.transports.base import ByteTransport
 from raydirect.transports.registry import (
     AUTO,
@@ -161,7 +161,7 @@ def _prepared(obj: StoredObject, name: str, future: Future[Any]) -> None:
 
 
 def _served_on_request() -> tuple[str, ...]:
-    return ("nixl",) if nixl.installed() else ()
+    return ("nixl",) if nixl_agent.installed() else ()
 
 
 def _prepare_on_request(obj: StoredObject, name: str) -> Future[Any]:

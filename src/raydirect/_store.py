@@ -323,6 +323,9 @@ class Store:
             self._held_bytes[obj.transport] -= obj.nbytes
         with obj.lock:  # a preparation finishing from now on releases its own state
             obj.freed = True
+            # Each preparation's future holds the object in its done-callback: a
+            # cycle that would keep the tensors until Python's cyclic collector ran.
+            obj.preparing.clear()
         self._unseal(obj)  # first: no cross-memory read succeeds from now on
         # Release transport state (a pooled segment) before waking waiters, so a
         # producer that re-exports at once finds the segment back in its pool.

@@ -25,7 +25,7 @@ from ray import cloudpickle
 import raydirect as rd
 from raydirect._producer import inline_limit
 from raydirect.testing import mismatch
-from raydirect.transports import nixl as nixl_transport
+from raydirect.transports import nixl_agent
 
 from helpers import wait_for
 
@@ -861,8 +861,8 @@ def test_cuda_weights_in_a_worker_that_sees_no_gpu_are_refused_naming_the_fix(gp
 
 @pytest.mark.parametrize("case", ["dtypes", "views"])
 def test_nixl_on_device_memory(gpu_pair, case):
-    if not nixl_transport.available():
-        pytest.skip(f"NIXL is not installed ({nixl_transport.INSTALL_HINT})")
+    if not nixl_agent.available():
+        pytest.skip(f"NIXL is not installed ({nixl_agent.INSTALL_HINT})")
     p, r = gpu_pair
     [ref] = ray.get(p.put.remote(case, "nixl"))
     result = ray.get(r.read.remote(case, [ref]), timeout=TIMEOUT)
@@ -873,8 +873,8 @@ def test_nixl_on_device_memory_without_peer_error_handling(ray_session):
     """With UCX's peer error handling (NIXL's default) UCX leaves out cuda_ipc and
     moved device memory at 0.45 GB/s on the H200; without it (what this sets) the
     cuda lanes are eligible. Exact values; the rate is printed, not judged."""
-    if not nixl_transport.available():
-        pytest.skip(f"NIXL is not installed ({nixl_transport.INSTALL_HINT})")
+    if not nixl_agent.available():
+        pytest.skip(f"NIXL is not installed ({nixl_agent.INSTALL_HINT})")
     env = {"RAYDIRECT_NIXL_UCX_ERROR_MODE": "none", "RAYDIRECT_NIXL_UCX_INFO": "1"}
     p, r = (Peer.options(runtime_env={"env_vars": env}).remote() for _ in range(2))
     try:

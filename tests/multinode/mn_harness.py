@@ -44,14 +44,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from raydirect.transports import nixl
+from raydirect.transports import nixl_agent
 
 NS_HEAD, NS_WORKER, NS_THIRD = "rdA", "rdB", "rdC"
 ADDR_HEAD, ADDR_WORKER, ADDR_THIRD = "10.77.0.1", "10.77.0.2", "10.77.0.3"
 NS_NET, BRIDGE = "rdnet", "rdbr"  # the switch every node's link plugs into
 # What ``auto`` picks between the two nodes (one venv runs both): nixl when it
 # is installed, else tcp (the test objects share no group).
-CROSS_NODE = "nixl" if nixl.installed() else "tcp"
+CROSS_NODE = "nixl" if nixl_agent.installed() else "tcp"
 _OUTER_CLUSTER = ("RAY_ADDRESS", "RAY_NAMESPACE", "RAYDIRECT_NODE_IP", "GLOO_SOCKET_IFNAME")
 VETH = "rdveth"  # the name of the veth end inside each namespace
 GCS_PORT = 6379

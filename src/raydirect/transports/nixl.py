@@ -22,11 +22,7 @@ Figures and their commands: docs/nixl.md.
 from __future__ import annotations
 
 import base64
-import functools
-import importlib
-import importlib.util
 import logging
-import os
 import threading
 import time
 import weakref
@@ -42,138 +38,9 @@ from raydirect._ranges import Ranges
 from raydirect._region_seals import seal_value, seals
 from raydirect.errors import ProducerLostError, TransferError
 from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
+from raydirect.transports.nixl_agent import available, make_agent, nixl_api
 
 log = logging.getLogger("raydirect")
-
-INSTALL_HINT = "pip install raydirect[nixl]  (or: pip install nixl-cu12)"
-_MODULES = ("nixl._api", "nixl_cu12._api", "nixl_cu13._api")
-_api: Any = None
-_api_lock = threading.Lock()
-
-
-def _nixl_api() -> Any:
-    """NIXL's Python API module (``nixl`` meta package, or a ``nixl_cuXX`` wheel)."""
-    global _api
-    with _api_lock:
-        if _api is None:
-            errors = []
-            for name in _MODULES:
-                try:
-                    _api = importlib.import_module(name)
-                    break
-                except ImportError as exc:
-                    errors.append(f"{name}: {exc}")
-            else:
-                raise ImportError(
-                    "tensor_transport='nixl' needs NVIDIA NIXL, which is not installed "
-                    f"({'; '.join(errors)}). Install it with: {INSTALL_HINT}"
-                )
-        return _api
-
-
-@functools.cache
-def installed() -> bool:
-    """Whether NIXL can be imported here, found without importing it (cheap)."""
-    return any(importlib.util.find_spec(name.split(".")[0]) is not None for name in _MODULES)
-
-
-def available() -> bool:
-    try:
-        _nixl_api()
-    except ImportError:
-        return False
-    return True
-
-
-ERROR_MODE_ENV = "RAYDIRECT_NIXL_UCX_ERROR_MODE"
-UCX_INFO_ENV = "RAYDIRECT_NIXL_UCX_INFO"
-_CUDA_TLS = ("cuda_copy", "cuda_ipc")
-
-
-def ucx_settings(env: dict[str, str], cuda: bool) -> tuple[dict[str, str], dict[str, str]]:
-    """(the UCX backend's init parameters, environment variables to set) for a NIXL
-    agent made in a process whose environment is ``env``; ``cuda``: it uses CUDA.
-
-    Why NIXL moved device memory at 0.45 GB/s on one H200 (500x slower than
-    cuda_ipc): NIXL's UCX backend makes its endpoints with peer error handling,
-    and UCX then selects only lanes whose transport can report a peer's failure.
-    cuda_ipc and the shared-memory transports cannot, so on one node every byte
-    went over UCX's tcp through host memory (ai-dynamo/nixl#1739, #2050 say the
-    same of ROCm's IPC). ``RAYDIRECT_NIXL_UCX_ERROR_MODE=none`` makes those lanes
-    eligible; the price is UCX's own notice of a dead peer, which on one node
-    raydirect's pid check gives anyway, and across nodes the read's deadline.
-    ``auto`` never picks NIXL on one node for CUDA memory (cuda_ipc does it).
-
-    ``UCX_TLS``, where set and CUDA is used, gets ``cuda_copy,cuda_ipc`` added:
-    without them UCX stages device memory through host buffers itself.
-    ``RAYDIRECT_NIXL_UCX_INFO=1`` sets ``UCX_PROTO_INFO=y``: UCX prints the
-    protocol and transport it picks for each kind of transfer."""
-    params: dict[str, str] = {}
-    mode = env.get(ERROR_MODE_ENV, "").strip().lower()
-    if mode:
-        if mode not in ("peer", "none"):
-            raise ValueError(f"{ERROR_MODE_ENV}={mode!r}: write 'peer' (UCX's default) or 'none'")
-        params["ucx_error_handling_mode"] = mode
-    changes: dict[str, str] = {}
-    tls = env.get("UCX_TLS")
-    if cuda and tls and not tls.startswith("^"):
-        wanted = [t for t in _CUDA_TLS if t not in tls.split(",") and "cuda" not in tls.split(",")]
-        if wanted:
-            changes["UCX_TLS"] = ",".join([tls, *wanted])
-    if env.get(UCX_INFO_ENV) == "1" and "UCX_PROTO_INFO" not in env:
-        changes["UCX_PROTO_INFO"] = "y"
-    return params, changes
-
-
-PROGRESS_DELAY_ENV = "RAYDIRECT_NIXL_PROGRESS_DELAY_US"
-DEFAULT_PROGRESS_DELAY_US = 1000
-
-
-def _new_agent(api: Any, name: str, config: Any) -> Any:
-    """A NIXL agent whose progress thread pauses between polls.
-
-    NIXL's Python API hard-codes the progress thread's delay to 0, so the
-    thread polls without pause and takes a core for as long as the process
-    lives (measured here: 95% of a core idle, 4% with 1 ms). Its C++ config
-    has the knob; this sets it, through a subclass whose ``pthrDelay`` keeps
-    our value when the API assigns 0. The target side of a read needs the
-    progress thread (without one, reads over UCX's tcp never complete).
-    """
-    delay = int(os.environ.get(PROGRESS_DELAY_ENV, DEFAULT_PROGRESS_DELAY_US))
-    base = api.nixlBind.nixlAgentConfig
-
-    class _Config(base):  # type: ignore[misc, valid-type]
-        @property
-        def pthrDelay(self) -> int:  # noqa: N802 (NIXL's name)
-            return int(base.pthrDelay.__get__(self))
-
-        @pthrDelay.setter
-        def pthrDelay(self, _value: int) -> None:  # noqa: N802
-            base.pthrDelay.__set__(self, delay)
-
-    with _api_lock:  # the API module is shared: patch it only while building
-        api.nixlBind.nixlAgentConfig = _Config
-        try:
-            return api.nixl_agent(name, config)
-        finally:
-            api.nixlBind.nixlAgentConfig = base
-
-
-def _log_ucx(agent: Any, changes: dict[str, str]) -> None:
-    """Say how UCX was set up (info: once per process), so a slow NIXL read can be
-    told apart: peer error handling keeps device memory off cuda_ipc."""
-    try:
-        params = agent.get_backend_params("UCX")
-    except Exception:  # noqa: BLE001 (an older NIXL: the rest still says enough)
-        params = {}
-    log.info(
-        "raydirect: NIXL's UCX backend: error handling %s, UCX_TLS=%s%s (%s=1 prints "
-        "UCX's choice of transports)",
-        params.get("ucx_error_handling_mode", "peer (NIXL's default)"),
-        os.environ.get("UCX_TLS", "(unset: all)"),
-        f", set here: {changes}" if changes else "",
-        UCX_INFO_ENV,
-    )
 
 
 def _b64(data: bytes) -> str:
@@ -227,30 +94,13 @@ class NixlTransport(ByteTransport):
         """This process's NIXL agent (made on first use)."""
         with self._lock:
             if self._agent is None:
-                api = _nixl_api()
                 cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
-                params, changes = ucx_settings(dict(os.environ), cuda)
-                os.environ.update(changes)  # read by UCX when the backend starts, below
-                config = api.nixl_agent_config(
-                    enable_prog_thread=True,
-                    enable_listen_thread=False,
-                    backends=[] if params else ["UCX"],  # with params: made below
-                    sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT,
-                )
                 name = f"rd-{_process.PID}-{_process.PROCESS_TOKEN.hex()[:12]}"
-                started = time.perf_counter()
-                agent = _new_agent(api, name, config)
-                if params:
-                    agent.create_backend("UCX", params)
-                _log_ucx(agent, changes)
-                if "UCX" not in agent.backends:
-                    raise TransferError("NIXL's UCX backend failed to start in this process")
-                empty = api.nixlBind.nixlRegDList(api.nixlBind.DRAM_SEG)
+                agent = make_agent(name, cuda)
+                bind = nixl_api().nixlBind
+                empty = bind.nixlRegDList(bind.DRAM_SEG)
                 self._conn = _b64(agent.get_partial_agent_metadata(empty, inc_conn_info=True))
                 self._agent = agent
-                log.debug(
-                    "raydirect: NIXL agent %s up in %.2fs", name, time.perf_counter() - started
-                )
             return self._agent
 
     def reachable(self, extra: dict[str, Any]) -> bool:
@@ -412,17 +262,13 @@ class NixlTransport(ByteTransport):
         last byte landed, the producer had not freed the memory read."""
         local, _, mem, _ = descs
         seal = _seal_of(obj_id, extra, link)
-        found = np.zeros(1, dtype=np.uint64)
-        regs: list[Any] = []
         name: str = extra["agent"]
+        reg = None
         try:
             self._load_remote(agent, extra)
-            regs.append(agent.register_memory([(*d, "") for d in local], mem, backends=["UCX"]))
+            reg = agent.register_memory([(*d, "") for d in local], mem, backends=["UCX"])
             self._transfer(agent, name, descs, link)
-            landing = (found.ctypes.data, 8, 0)
-            regs.append(agent.register_memory([(*landing, "")], "DRAM", backends=["UCX"]))
-            self._transfer(agent, name, ([landing], [seal[0]], "DRAM", "DRAM"), link)
-            if int(found[0]) != seal[1]:
+            if not self._seal_holds(agent, name, seal, link):
                 link.check_alive()  # an exited producer: it says so
                 raise ProducerLostError.by_seal(link.who, extra)
         except (TimeoutError, ProducerLostError):
@@ -431,6 +277,8 @@ class NixlTransport(ByteTransport):
             lost = self._lost(link, exc)
             if lost:
                 self._forget(agent, name)
+                if self._freed_under_read(agent, extra, seal, link):
+                    raise ProducerLostError.by_seal(link.who, extra) from exc
                 raise ProducerLostError.of(link.who, lost) from exc
             if isinstance(exc, TransferError):
                 raise
@@ -438,11 +286,34 @@ class NixlTransport(ByteTransport):
                 f"NIXL READ from {link.who} failed: {type(exc).__name__}: {exc}"
             ) from exc
         finally:
-            for reg in regs:
-                try:
-                    agent.deregister_memory(reg, backends=["UCX"])
-                except Exception:
-                    log.debug("raydirect: NIXL deregistration failed", exc_info=True)
+            _deregister(agent, reg)
+
+    def _seal_holds(self, agent: Any, name: str, seal: tuple[Any, int], link: PeerMetadata) -> bool:
+        """READ the seal's word from agent ``name``: does it hold what it must?"""
+        found = np.zeros(1, dtype=np.uint64)
+        landing = (found.ctypes.data, 8, 0)
+        reg = agent.register_memory([(*landing, "")], "DRAM", backends=["UCX"])
+        try:
+            self._transfer(agent, name, ([landing], [seal[0]], "DRAM", "DRAM"), link)
+        finally:
+            _deregister(agent, reg)
+        return int(found[0]) == seal[1]
+
+    def _freed_under_read(
+        self, agent: Any, extra: dict[str, Any], seal: tuple[Any, int], link: PeerMetadata
+    ) -> bool:
+        """After a lost connection to a producer that lives: had it freed the object?
+        UCX drops the connection when a READ finds the memory unmapped (a large
+        object freed); the seal, in a slab mapped for the producer's life, tells
+        that from a connection really lost. Asked on a new connection."""
+        if not link.producer_alive():
+            return False
+        try:
+            self._load_remote(agent, extra)
+            return not self._seal_holds(agent, extra["agent"], seal, link)
+        except Exception:  # noqa: BLE001 (the connection stays lost: say so)
+            log.debug("raydirect: NIXL could not read the seal again", exc_info=True)
+            return False
 
     @staticmethod
     def _transfer(agent: Any, name: str, descs: _Xfer, link: PeerMetadata) -> None:
@@ -481,6 +352,15 @@ class NixlTransport(ByteTransport):
         return None
 
 
+def _deregister(agent: Any, reg: Any) -> None:
+    if reg is None:
+        return
+    try:
+        agent.deregister_memory(reg, backends=["UCX"])
+    except Exception:
+        log.debug("raydirect: NIXL deregistration failed", exc_info=True)
+
+
 def _seal_of(obj_id: bytes, extra: dict[str, Any], link: PeerMetadata) -> tuple[Any, int]:
     """(the descriptor of the object's seal word, what it must hold)."""
     at = extra.get("seal_at")
@@ -488,12 +368,3 @@ def _seal_of(obj_id: bytes, extra: dict[str, Any], link: PeerMetadata) -> tuple[
     if type(word) is not int or word <= 0 or str(serial) not in extra["regions"]:
         raise TransferError(f"corrupt transport metadata from {link.who}: seal_at={at!r}")
     return (word, 8, 0), seal_value(obj_id, link.capability)
-
-
-def _forget_after_fork() -> None:
-    global _api, _api_lock
-    _process.keep_from_parent(_api)
-    _api, _api_lock = None, threading.Lock()  # the NIXL agent is the parent's
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
