@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -218,6 +219,100 @@ def test_partial_prefix_hit_reads_only_the_tail(engines: dict) -> None:
     assert got == _alone(p, second)
 
 
+@pytest.mark.parametrize(("length", "generated"), [(20, 40), (40, 30)])
+def test_a_prefill_that_generated_more_tokens_hands_off_its_prompt_alone(
+    engines: dict, length: int, generated: int
+) -> None:
+    """A prefill run past its first token holds those tokens' KV in blocks after
+    the prompt's. It handed them all over, and D, mapping from the tail, read a
+    generated-token block into a prompt block: other tokens, no error."""
+    p, d = engines["p"], engines["d"]
+    ids = prompt(length, seed=700 + length)
+    tokens, params, _ = ray.get(
+        p.generate_kv.remote(ids, generated, {"do_remote_decode": True}), timeout=CALL_S
+    )
+    assert len(tokens) == generated and params is not None
+    params = json.loads(json.dumps(params))
+    assert params["remote_num_tokens"] == length
+    assert len(params["remote_block_ids"]) == -(-length // BLOCK)
+    assert _decode(d, ids, params) == _alone(p, ids)
+    [read] = _reads(d, params["remote_request_id"])
+    assert read["blocks"] == len(params["remote_block_ids"])
+
+
+BAD_PARAMS = {
+    "block ids not integers": {"remote_block_ids": ["x", "y"]},
+    "block id a bool": {"remote_block_ids": [True, 1]},
+    "token count not an integer": {"remote_num_tokens": "abc"},
+    "more tokens than blocks": {"remote_num_tokens": 10_000},
+}
+
+
+def test_malformed_params_are_prefilled_here_and_the_engine_lives(engines: dict) -> None:
+    """kv_transfer_params come from a client: vLLM's standard fields, malformed,
+    raised in D's scheduler (``int("x")``) and killed the engine (EngineDeadError
+    for every request after). Now the request is prefilled here, and logged."""
+    p, d = engines["p"], engines["d"]
+    ids = prompt(45, seed=800)
+    params = _prefill(p, ids)
+    alone = _alone(p, ids)
+    for what, change in BAD_PARAMS.items():
+        tokens, _, reason = ray.get(
+            d.generate_kv.remote(ids, NEW_TOKENS, {**params, **change}), timeout=CALL_S
+        )
+        assert (tokens, reason) == (alone, "length"), what
+        assert not _reads(d, params["remote_request_id"]), what
+    # the good params: D's prefix cache holds the prompt now, so it reads nothing
+    # and tells P to free the blocks
+    assert _decode(d, ids, params) == alone
+    request = params["remote_request_id"]
+    wait_for(lambda: request not in _leases(p), timeout=10.0, what="P frees on D's notice")
+
+
+def test_a_hand_off_sent_twice_is_read_once(engines: dict) -> None:
+    """The same kv_transfer_params twice (a client's retry): P freed the blocks on
+    the first read's notice and may have reused them, so the second request must
+    not read them; it was read again (D's prefix cache reset in between, as an
+    eviction would)."""
+    p, d = engines["p"], engines["d"]
+    ids = prompt(45, seed=1000)
+    params = _prefill(p, ids)
+    alone = _alone(p, ids)
+    assert _decode(d, ids, params) == alone
+    request = params["remote_request_id"]
+    wait_for(lambda: request not in _leases(p), timeout=10.0, what="P frees on D's notice")
+    wait_for(lambda: _all_free(d), timeout=10.0, what="D's prefix cache reset")
+    assert _decode(d, ids, params) == alone
+    assert len(_reads(d, request)) == 1, "D read the hand-off twice"
+
+
+def test_a_stopped_prefill_engine_holds_up_no_other_engines_reads(engines: dict) -> None:
+    """Q is stopped (SIGSTOP) after its prefills; D reads Q's hand-offs (its memory
+    stays readable) and P's in one batch. D's notices to Q wait out their timeout:
+    sent from the read threads, they held them, and P's reads, queued behind,
+    started after P's lease was over (and were recomputed)."""
+    p, d, q = engines["p"], engines["d"], engines["q"]
+    q_ids = [prompt(45, seed=900 + i) for i in range(4)]
+    p_ids = [prompt(45, seed=950 + i) for i in range(2)]
+    ask = {"do_remote_decode": True}
+    q_params = ray.get(q.generate_kv_batch.remote([(i, 1, ask) for i in q_ids]), timeout=CALL_S)
+    p_params = ray.get(p.generate_kv_batch.remote([(i, 1, ask) for i in p_ids]), timeout=CALL_S)
+    handed = [json.loads(json.dumps(o[1])) for o in q_params + p_params]
+    [pid] = ray.get(q.collective_rpc.remote(_pid), timeout=CALL_S)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        batch = [(i, NEW_TOKENS, h) for i, h in zip(q_ids + p_ids, handed, strict=True)]
+        outs = ray.get(d.generate_kv_batch.remote(batch), timeout=CALL_S)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    [worker] = _workers(d)
+    read = {r["remote"] for r in worker["reads"]}
+    for h in handed:
+        assert h["remote_request_id"] in read, "a hand-off was recomputed, not read"
+        assert h["remote_request_id"] not in worker["failed"]
+    assert [o[0] for o in outs[4:]] == [_alone(p, i) for i in p_ids]
+
+
 def test_prefill_engine_killed_before_the_read(engines: dict) -> None:
     """Q's worker (which holds its region) dies after the prefill: D's read fails
     at once, and D (``kv_load_failure_policy="recompute"``) recomputes the prompt
@@ -351,3 +446,28 @@ def test_tensor_parallel_2_prefill_killed_fails_clearly(tp2_engines: dict) -> No
     assert time.monotonic() - started < 60.0
     assert (tokens, reason) == ([], "error")
     assert all(params["remote_request_id"] in w["failed"] for w in _workers(d))
+
+
+@pytest.mark.parametrize("lease", [1.0, 0.8, 0, -5, "30", True, None])
+def test_a_lease_too_short_to_read_is_refused_at_start(lease: Any) -> None:
+    """A lease no longer than the decode side's read margin ended before any
+    decode engine could read: every hand-off was silently prefilled again."""
+    from vllm.config import KVTransferConfig
+
+    from raydirect.vllm.kv_connector import KVScheduler
+
+    def config(value: Any) -> Any:
+        transfer = KVTransferConfig(
+            kv_connector="RaydirectConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"kv_lease_duration": value},
+        )
+        return SimpleNamespace(
+            kv_transfer_config=transfer,
+            cache_config=SimpleNamespace(block_size=BLOCK),
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+        )
+
+    with pytest.raises(ValueError, match=r"kv_lease_duration=.*above 1\.0"):
+        KVScheduler(config(lease))
+    assert KVScheduler(config(1.5)).lease_s == 1.5

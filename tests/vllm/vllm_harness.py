@@ -203,15 +203,31 @@ class Engine:
         """Greedy tokens, with ``kv_transfer_params`` for a KV connector (vLLM's
         P/D protocol); the ``kv_transfer_params`` the engine returned, and why the
         request finished (``"length"``, or ``"error"``)."""
+        [out] = self.generate_kv_batch([(token_ids, max_tokens, kv_transfer_params)])
+        return out
+
+    def generate_kv_batch(
+        self, requests: list[tuple[list[int], int, dict | None]]
+    ) -> list[tuple[list[int], dict | None, str | None]]:
+        """``generate_kv`` of several requests in one call: the engine schedules
+        them together, in this order."""
         from vllm import SamplingParams
 
-        extra = None if kv_transfer_params is None else {"kv_transfer_params": kv_transfer_params}
-        params = SamplingParams(
-            max_tokens=max_tokens, temperature=0.0, ignore_eos=True, extra_args=extra
-        )
-        [out] = self.llm.generate({"prompt_token_ids": token_ids}, params, use_tqdm=False)
-        done = out.outputs[0]
-        return list(done.token_ids), out.kv_transfer_params, done.finish_reason
+        params = [
+            SamplingParams(
+                max_tokens=max_tokens,
+                temperature=0.0,
+                ignore_eos=True,
+                extra_args=None if kv is None else {"kv_transfer_params": kv},
+            )
+            for _, max_tokens, kv in requests
+        ]
+        prompts = [{"prompt_token_ids": ids} for ids, _, _ in requests]
+        outs = self.llm.generate(prompts, params, use_tqdm=False)
+        return [
+            (list(o.outputs[0].token_ids), o.kv_transfer_params, o.outputs[0].finish_reason)
+            for o in outs
+        ]
 
     def all_blocks_free(self) -> bool:
         """Whether every KV block is back in the engine's pool (vLLM resets the

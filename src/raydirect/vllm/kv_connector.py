@@ -20,8 +20,9 @@ its proxies and routers drive it unchanged:
    ``"fail"``, vLLM 0.32's default) or recomputes them (``"recompute"``).
 3. P frees blocks nobody read when the lease ends: ``kv_lease_duration`` seconds
    in ``kv_connector_extra_config`` (30 by default, as NixlConnector's). D reads
-   only while the lease has more than ``READ_MARGIN_S`` left, so it never reads
-   blocks P has freed and reused.
+   only while the lease has more than ``READ_MARGIN_S`` left, and a hand-off
+   once (a second request here with the same params prefills itself), so it
+   never reads blocks P has freed on the lease's end or a read's notice.
 
 This module is the facade and the scheduler side; ``kv_worker`` the workers'.
 See docs/kv-transfer.md.
@@ -46,7 +47,14 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from raydirect.vllm import kv_worker
-from raydirect.vllm.kv_handoff import Handoff, Handshake, KVMetadata, Read, handoff_params
+from raydirect.vllm.kv_handoff import (
+    READ_MARGIN_S,
+    Handoff,
+    Handshake,
+    KVMetadata,
+    Read,
+    handoff_params,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -71,10 +79,13 @@ class KVScheduler:
         self.engine_id = str(transfer.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        self.lease_s = float(transfer.get_from_extra_config("kv_lease_duration", DEFAULT_LEASE_S))
+        lease = transfer.get_from_extra_config("kv_lease_duration", DEFAULT_LEASE_S)
+        self.lease_s = _lease_s(lease)
         self.handshakes: list[Handshake] = []
         self._reads: dict[str, Read] = {}
         self._leases: dict[str, float] = {}
+        # P's request id -> (the request here that read it, the lease's end)
+        self._claims: dict[str, tuple[str, float]] = {}
 
     def set_handshakes(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         ranks = sorted(metadata)
@@ -114,9 +125,30 @@ class KVScheduler:
         if not params or not params.get("do_remote_prefill"):
             return 0, False
         handoff, usable = self._handoff(request)
-        if handoff is None or not usable or handoff.seconds_left() <= 0:
+        if handoff is None or not usable:
             return 0, False  # prefilled here; update_state_after_alloc frees P's blocks
-        remote = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
+        if handoff.seconds_left() <= 0:
+            logger.warning(
+                "RaydirectConnector: request %s is prefilled here: the prefill engine's lease "
+                "of its KV ended %.1fs before this engine could read it (raise "
+                "kv_lease_duration on the prefill engine if decodes start that late)",
+                request.request_id,
+                -handoff.seconds_left(),
+            )
+            return 0, False
+        claim = self._claims.get(handoff.remote_request_id)
+        if claim is not None and claim[0] != request.request_id:
+            logger.warning(
+                "RaydirectConnector: request %s is prefilled here: request %s read the same "
+                "hand-off (prefill request %s) already, and the prefill engine frees its "
+                "blocks on the first read. A hand-off is read once: send its "
+                "kv_transfer_params to one decode request",
+                request.request_id,
+                claim[0],
+                handoff.remote_request_id,
+            )
+            return 0, False
+        remote = min(handoff.num_tokens, request.num_prompt_tokens)
         count = remote - num_computed
         return (count, True) if count > 0 else (0, False)
 
@@ -126,15 +158,38 @@ class KVScheduler:
             return
         params["do_remote_prefill"] = False  # one read per request
         handoff, usable = self._handoff(request)
-        if handoff is None:
-            return
+        if handoff is None or not self._claim(handoff, request.request_id):
+            return  # another request here read it: P was told to free the blocks then
         local = blocks.get_unhashed_block_ids() if num_external > 0 and usable else []
-        remote = [int(b) for b in params.get("remote_block_ids") or []]
-        if len(local) <= len(remote):
-            remote = remote[len(remote) - len(local) :]  # what the local prefix lacks
+        # By position: D's prefix-cache blocks come first, then the ones to read
+        # (P's generated tokens, if any, lie in blocks after the prompt's).
+        ahead = len(blocks.get_block_ids()[0]) - len(local)
+        pairs = list(zip(local, handoff.block_ids[ahead:], strict=False))
+        needed = -(-(ahead * self.block_size + num_external) // self.block_size) - ahead
+        error = None
+        if len(pairs) < needed:
+            error = f"the prefill engine handed over {len(handoff.block_ids)} blocks, too few"
         self._reads[request.request_id] = Read(
-            request.request_id, local, remote, handoff, awaiting=num_external > 0
+            request.request_id,
+            [b for b, _ in pairs],
+            [b for _, b in pairs],
+            handoff,
+            awaiting=num_external > 0,
+            error=error,
         )
+
+    def _claim(self, handoff: Handoff, request_id: str) -> bool:
+        """Whether ``request_id`` reads ``handoff`` here: the first request that
+        comes with it does. A second (a client's retry, a duplicate) would read
+        blocks P freed on the first one's notice and may have reused."""
+        now = time.time()
+        while self._claims:  # oldest first; past its lease nobody reads it anyway
+            oldest = next(iter(self._claims))
+            if self._claims[oldest][1] >= now:
+                break
+            del self._claims[oldest]
+        claim = self._claims.setdefault(handoff.remote_request_id, (request_id, handoff.expires_at))
+        return claim[0] == request_id
 
     # -- prefill side -------------------------------------------------------
 
@@ -155,13 +210,16 @@ class KVScheduler:
             RequestStatus.FINISHED_STOPPED,
         ):
             return False, None  # aborted: nobody reads it
+        # The prompt's blocks alone: a prefill that generated more than its first
+        # token holds those tokens' KV in later blocks, which no decode engine needs.
+        prompt = min(request.num_computed_tokens, request.num_prompt_tokens)
         expires_at = time.time() + self.lease_s
         self._leases[request.request_id] = expires_at
         return True, handoff_params(
             request_id=request.request_id,
             engine_id=self.engine_id,
-            block_ids=list(block_ids),
-            num_tokens=request.num_computed_tokens,
+            block_ids=list(block_ids[: -(-prompt // self.block_size)]),
+            num_tokens=prompt,
             handshakes=self.handshakes,
             block_size=self.block_size,
             expires_at=expires_at,
@@ -173,6 +231,19 @@ class KVScheduler:
         meta = KVMetadata(reads=list(self._reads.values()), leases=self._leases)
         self._reads, self._leases = {}, {}
         return meta
+
+
+def _lease_s(value: Any) -> float:
+    """``kv_lease_duration``, checked: a lease no longer than the read margin would
+    end before any decode engine may read, and hand-off would silently stop."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= READ_MARGIN_S:
+        raise ValueError(
+            f"RaydirectConnector: kv_connector_extra_config's kv_lease_duration={value!r}: "
+            f"write a number of seconds above {READ_MARGIN_S} (a decode engine reads only "
+            f"while more than {READ_MARGIN_S}s of it is left; {DEFAULT_LEASE_S:g} by default, "
+            "as NixlConnector's)"
+        )
+    return float(value)
 
 
 class RaydirectConnector(KVConnectorBase_V1):

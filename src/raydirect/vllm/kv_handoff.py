@@ -49,10 +49,14 @@ class Handoff:
     block_size: int
     expires_at: float
     remote_request_id: str
+    block_ids: tuple[int, ...]  # the prompt's blocks in the prefill engine, in order
+    num_tokens: int  # the prompt tokens they hold
 
     @classmethod
     def of(cls, params: dict[str, Any]) -> Handoff:
-        """Parsed from ``params``; ``ValueError`` naming what is missing or wrong."""
+        """Parsed from ``params``, vLLM's standard fields too (they come from a
+        client: a bad one must not reach the scheduler's arithmetic); ``ValueError``
+        naming what is missing or wrong."""
         section = params.get(SECTION)
         if not isinstance(section, dict):
             raise ValueError(
@@ -61,19 +65,36 @@ class Handoff:
             )
         try:
             regions = tuple(dict(r) for r in section["regions"])
-            return cls(
+            handoff = cls(
                 regions=regions,
                 layout=layers_from_dict(section["layout"]),
-                block_size=int(section["block_size"]),
+                block_size=_count(section["block_size"], "block_size"),
                 expires_at=float(section["expires_at"]),
                 remote_request_id=str(params["remote_request_id"]),
+                block_ids=tuple(_count(b, "remote_block_ids") for b in params["remote_block_ids"]),
+                num_tokens=_count(params["remote_num_tokens"], "remote_num_tokens"),
             )
-        except (KeyError, TypeError) as exc:
-            raise ValueError(f"malformed {SECTION!r} kv_transfer_params: {exc!r}") from None
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"malformed kv_transfer_params: {exc!r}") from None
+        if handoff.block_size == 0 or len(handoff.block_ids) * handoff.block_size < (
+            handoff.num_tokens
+        ):
+            raise ValueError(
+                f"malformed kv_transfer_params: {len(handoff.block_ids)} blocks of "
+                f"{handoff.block_size} tokens cannot hold remote_num_tokens={handoff.num_tokens}"
+            )
+        return handoff
 
     def seconds_left(self) -> float:
         """Seconds a read may still take (its deadline, before the lease ends)."""
         return self.expires_at - READ_MARGIN_S - time.time()
+
+
+def _count(value: Any, name: str) -> int:
+    """A JSON integer >= 0 (a bool or a string is refused)."""
+    if type(value) is not int or value < 0:
+        raise ValueError(f"{name}: {value!r} is not an integer >= 0")
+    return value
 
 
 def handoff_params(
@@ -115,6 +136,7 @@ class Read:
     remote: list[int]
     handoff: Handoff
     awaiting: bool
+    error: str | None = None  # why it cannot be read: its blocks are load errors
 
 
 @dataclass

@@ -11,7 +11,8 @@ vLLM frees the blocks.
 Decode side: each read runs on a small pool of threads (idle threads block;
 nothing polls): ``rd.read_ranges`` straight from the prefill worker's memory into
 the request's newly allocated blocks, bounded by the lease; the request is
-reported done, then the prefill worker is sent its notice.
+reported done, then the prefill worker is sent its notice, by a thread of that
+prefill rank's (``Notifier``): one engine slow to answer holds up no read.
 A read that fails (the prefill engine gone, the lease over, another layout)
 reports its blocks as load errors, so vLLM's ``kv_load_failure_policy``
 recomputes them or fails the request.
@@ -67,6 +68,7 @@ class KVWorker:
         self._reads: deque[dict[str, Any]] = deque(maxlen=STATUS_KEPT)
         self._failed: deque[str] = deque(maxlen=STATUS_KEPT)
         self._pool: ThreadPoolExecutor | None = None
+        self._notifier = Notifier()
         _workers.append(self)
 
     # -- both sides ---------------------------------------------------------
@@ -134,6 +136,7 @@ class KVWorker:
                 "expired": self._expired,
                 "reads": list(self._reads),
                 "failed": list(self._failed),
+                "notices": self._notifier.pending(),
             }
 
     def shutdown(self) -> None:
@@ -200,6 +203,8 @@ class KVWorker:
     def _read(self, read: Read) -> int:
         assert self.layout is not None
         handoff = read.handoff
+        if read.error is not None:
+            raise ValueError(read.error)
         rows = block_rows(handoff.layout, self.layout.layers, read.remote, read.local)
         left = handoff.seconds_left()
         if left <= 0:
@@ -213,19 +218,65 @@ class KVWorker:
 
     def _notify(self, read: Read) -> None:
         """Tells the prefill engine's ranks this one speaks for (its own, at equal
-        TP) to free the request's blocks, without reading."""
+        TP) to free the request's blocks (in the background: ``Notifier``)."""
         handoff = read.handoff
         for region in handoff.regions[self.rank :: self.tp_size]:
+            self._notifier.send(region, handoff.remote_request_id)
+
+
+class Notifier:
+    """Sends decode-side notices to prefill ranks: one thread per prefill rank,
+    only while it has notices to send. A notice waits for the prefill engine's
+    agent (up to ``NOTICE_TIMEOUT_S``); sent from the read threads, notices to one
+    engine that did not answer (stopped, overloaded) held those threads, and the
+    reads of every other engine's hand-offs waited behind them until their leases
+    ran out. Best effort: the lease frees the blocks of a notice that is lost."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queues: dict[str, deque[tuple[dict[str, Any], str]]] = {}
+
+    def send(self, region: dict[str, Any], request: str) -> None:
+        key = str(region.get("region"))
+        with self._lock:
+            queue = self._queues.get(key)
+            if queue is not None:
+                queue.append((region, request))
+                return
+            self._queues[key] = deque([(region, request)])
+        threading.Thread(
+            target=self._drain, args=(key,), name="raydirect-kv-notices", daemon=True
+        ).start()
+
+    def pending(self) -> int:
+        with self._lock:
+            return sum(len(q) for q in self._queues.values())
+
+    def _drain(self, key: str) -> None:
+        while True:
+            with self._lock:
+                queue = self._queues[key]
+                if not queue:
+                    del self._queues[key]
+                    return
+                region, request = queue[0]
+            failed: Exception | None = None
             try:
-                rd.notify_region(
-                    region, {"request": handoff.remote_request_id}, timeout=NOTICE_TIMEOUT_S
-                )
+                rd.notify_region(region, {"request": request}, timeout=NOTICE_TIMEOUT_S)
             except Exception as exc:  # its lease frees the blocks anyway
+                failed = exc
+            with self._lock:
+                queue.popleft()  # the sent one stayed first: no second thread meanwhile
+                dropped = len(queue) if failed is not None else 0
+                if failed is not None:
+                    queue.clear()  # to the same engine: they would wait as long
+            if failed is not None:
                 logger.info(
-                    "RaydirectConnector: could not tell the prefill engine to free request "
-                    "%s's blocks (%s); its lease frees them",
-                    handoff.remote_request_id,
-                    exc,
+                    "RaydirectConnector: could not tell a prefill engine to free request "
+                    "%s's blocks (%s), nor %d more queued for it; its lease frees them",
+                    request,
+                    failed,
+                    dropped,
                 )
 
 
