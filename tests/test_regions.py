@@ -12,6 +12,9 @@ import dataclasses
 import json
 import os
 import signal
+import threading
+import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -471,3 +474,43 @@ def test_a_one_sided_plugin_reads_the_bytes_as_they_are(reader, ray_session):
         assert files() == set()
     finally:
         ray.kill(owner)
+
+
+def _own_read_racing_close(size: int, rows_n: int) -> dict[str, Any]:
+    """Read a region of this process on a thread; close it as soon as the copy
+    has begun, and write the memory at once."""
+    run = size // rows_n
+    rows = [[0, i * run, run, 0, i * (run + 1)] for i in range(rows_n)]  # nothing merges
+    src = torch.full((size,), 1, dtype=torch.uint8)
+    region = rd.export_region(src, huge_pages=False)
+    dest = torch.zeros(size + rows_n, dtype=torch.uint8)
+    outcome: dict[str, Any] = {}
+
+    def read() -> None:
+        try:
+            outcome["ok"] = rd.read_ranges(region.handle(), rows, into=dest, timeout=60)
+        except rd.ProducerLostError as exc:
+            outcome["lost"] = exc
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while dest[0] != 1 and time.monotonic() < deadline:  # polled closely: the copy is short
+        pass
+    region.close()
+    src.fill_(0xEE)
+    reader.join(60)
+    outcome["poisoned"] = int((dest == 0xEE).sum())
+    return outcome
+
+
+def test_a_read_in_the_owners_process_ends_before_close_returns(ray_session):
+    """The owner reads its own region on one thread and closes it on another, then
+    writes the memory at once (as close's contract allows): the read returns the
+    region's bytes or ProducerLostError, never the new bytes. The copy ran outside
+    the region's guard: close returned while it still copied, and the read
+    returned the poison."""
+    for _ in range(3):
+        outcome = _own_read_racing_close(64 << 20, 256)
+        assert "ok" in outcome or "lost" in outcome, "the read did not end"
+        assert outcome["poisoned"] == 0, "the read returned bytes written after close"

@@ -172,7 +172,9 @@ def fetch_ranges(
     are written only while ``gate`` is open."""
     if payload.producer.process_token == _process.PROCESS_TOKEN:
         obj = _own_object(payload)
-        with _writing(gate):
+        # As the agent's copies: a region's close waits for this one, and once it
+        # has closed the copy is refused, never made from memory the owner reuses.
+        with obj.serving(), _writing(gate):
             _copy_ranges(obj.buffers, ranges)
         store.count_received("local", ranges.nbytes)
         lifetimes.count_read(obj)

@@ -110,8 +110,9 @@ class Region:
         with ``rd.ProducerLostError``, naming it; none returns bytes read after
         this call began. When ``close`` returns, nothing of raydirect reads the
         tensors any more: write, free or reuse their memory as you like (raydirect
-        never frees it; the tensors are yours). Reads the agent is serving are
-        waited for (each a copy of at most the rows it asked for): past
+        never frees it; the tensors are yours). Reads the agent is serving, and
+        reads in this process, are waited for (each a copy of at most the rows it
+        asked for): past
         ``timeout`` seconds ``TimeoutError`` (the region is closed to new reads;
         call ``close`` again before reusing the memory). Closing twice is a no-op."""
         state = self._state
