@@ -198,3 +198,18 @@ def read_whole(handle: Any, nbytes: int) -> bool:
     got = torch.zeros(nbytes // 4, dtype=torch.int32)
     rd.read_ranges(handle, [(0, 0, nbytes, 0, 0)], into=got, timeout=60)
     return torch.equal(got, torch.arange(nbytes // 4, dtype=torch.int32))
+
+
+@ray.remote(num_cpus=0, max_concurrency=2)
+class FreeingOwner:
+    """Exports one large tensor as a region, then closes it and frees the memory
+    (a block this large is unmapped at once)."""
+
+    def export(self, nbytes: int) -> Any:
+        self.tensor = torch.ones(nbytes, dtype=torch.uint8)
+        self.region = rd.export_region(self.tensor, huge_pages=False)
+        return self.region.handle()
+
+    def close_and_free(self) -> None:
+        self.region.close()
+        del self.tensor, self.region

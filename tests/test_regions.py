@@ -27,6 +27,7 @@ from region_actors import (
     BLOCK_ELEMS,
     BLOCKS,
     LAYERS,
+    FreeingOwner,
     Owner,
     RegionReader,
     expected,
@@ -514,3 +515,38 @@ def test_a_read_in_the_owners_process_ends_before_close_returns(ray_session):
         outcome = _own_read_racing_close(64 << 20, 256)
         assert "ok" in outcome or "lost" in outcome, "the read did not end"
         assert outcome["poisoned"] == 0, "the read returned bytes written after close"
+
+
+def _read_until_it_fails(handle: Any, nbytes: int, reads: list[int]) -> BaseException:
+    dest = torch.zeros(nbytes, dtype=torch.uint8)
+    while True:
+        try:
+            rd.read_ranges(handle, [[0, 0, nbytes, 0, 0]], into=dest, tensor_transport="cma")
+        except Exception as exc:  # noqa: BLE001 (the test looks at which)
+            return exc
+        reads.append(1)
+
+
+def test_a_cma_read_of_memory_freed_after_close_is_producer_lost(ray_session):
+    """The owner closes its region and frees the memory while a cma read copies
+    from it: the read fails on unmapped memory, and must say the region was
+    closed (ProducerLostError), not "Bad address" (a TransferError: about half
+    of such races did)."""
+    owner = FreeingOwner.remote()
+    nbytes = 64 << 20
+    try:
+        for _ in range(6):
+            handle = ray.get(owner.export.remote(nbytes))
+            reads: list[int] = []
+            outcome: list[BaseException] = []
+            reader = threading.Thread(
+                target=lambda: outcome.append(_read_until_it_fails(handle, nbytes, reads))  # noqa: B023
+            )
+            reader.start()
+            wait_for(lambda: len(reads) >= 2, 60, "reads to run")  # noqa: B023
+            ray.get(owner.close_and_free.remote())
+            reader.join(60)
+            [error] = outcome
+            assert isinstance(error, rd.ProducerLostError), repr(error)
+    finally:
+        ray.kill(owner)

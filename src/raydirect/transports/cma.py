@@ -329,8 +329,13 @@ class CmaTransport(ByteTransport):
         if seal is not None:  # nothing read once it is freed or closed ...
             seal.check()
         addresses = _addresses(extra["ptrs"])
-        if not _read_few(pid, addresses, ranges, link):
-            read_remote(pid, _Spans(*ranges.runs(addresses)), link)
+        try:
+            if not _read_few(pid, addresses, ranges, link):
+                read_remote(pid, _Spans(*ranges.runs(addresses)), link)
+        except TransferError:
+            if seal is not None:  # memory unmapped by a free or a close's reuse: say so
+                seal.check()
+            raise
         if seal is not None:  # ... nor while it was being freed
             seal.check()
 
