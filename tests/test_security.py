@@ -344,6 +344,22 @@ def test_the_agent_caps_its_connections_shedding_unproven_ones(ray_session):
             conn.close()
 
 
+def test_the_cap_skips_a_connection_gone_before_its_accept_was_read():
+    """The agent reads a connection's addresses when its ACCEPTED event comes; a
+    peer that left at once has its fd closed by then, which raised EBADF into the
+    agent's loop ("unexpected error") and dropped the events after it."""
+    from raydirect._gate import _peer_of
+
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        client = socket.create_connection(listener.getsockname())
+        conn, _ = listener.accept()
+        fd = conn.fileno()
+        assert _peer_of(fd) == (conn.getsockname(), conn.getpeername())
+        conn.close()
+        client.close()
+        assert _peer_of(fd) is None
+
+
 def _closed(conn: socket.socket) -> bool:
     """Did the peer close ``conn`` (after whatever greeting it sent)?"""
     conn.settimeout(0.5)

@@ -83,7 +83,10 @@ class ZapHandler:
 
 def _peer_of(fd: int) -> tuple[tuple[str, int], tuple[str, int]] | None:
     """(local, peer) addresses of the socket ``fd`` (None if it is not one)."""
-    sock = socket.socket(fileno=fd)
+    try:  # the peer may be gone, and its fd closed, before its ACCEPTED event is read
+        sock = socket.socket(fileno=fd)
+    except OSError:
+        return None
     try:
         return sock.getsockname(), sock.getpeername()
     except OSError:
