@@ -251,3 +251,12 @@ class HangingTwoSided(rd.TensorTransportManager):
     ):
         self._wait_gate()
         return [torch.zeros(s, dtype=d) for s, d in tensor_transport_metadata.tensor_meta]
+
+
+class SlowStagingTransport(PickleShmTransport):
+    """Stages its copy slowly (a large region's copy): a reader with a short
+    deadline gives up while the owner's agent is still preparing the read."""
+
+    def extract_tensor_transport_metadata(self, obj_id, tensors):
+        time.sleep(0.6)
+        return super().extract_tensor_transport_metadata(obj_id, tensors)

@@ -80,6 +80,14 @@ class Owner:
     def close(self) -> None:
         self.region.close()
 
+    def prepared_reads(self, abandoned_after: float | None = None) -> int:
+        """Plug-in reads prepared from this region and not yet released."""
+        from raydirect import _region_serve
+
+        if abandoned_after is not None:  # this owner's alone: the default is 30 s
+            _region_serve.ABANDONED_AFTER_S = abandoned_after
+        return sum(len(s.reads) for s in _region_serve._open.values())
+
     def close_and_poison(self) -> None:
         """Close, then reuse the memory at once, as the owner may."""
         self.region.close()

@@ -40,7 +40,7 @@ from raydirect import _region_rows
 
 import plugin_transports
 from helpers import wait_for
-from plugin_transports import PickleShmTransport, plugin_files
+from plugin_transports import PickleShmTransport, SlowStagingTransport, plugin_files
 
 # Workers cannot import the tests directory: ship the actors by value.
 cloudpickle.register_pickle_by_value(region_actors)
@@ -473,6 +473,40 @@ def test_a_one_sided_plugin_reads_the_bytes_as_they_are(reader, ray_session):
         error = ray.get(reader.read_error.remote(handle, None))
         assert error.startswith("ProducerLostError|True|"), error
         assert files() == set()
+    finally:
+        ray.kill(owner)
+
+
+def test_a_plugin_read_whose_reader_gave_up_is_released(ray_session):
+    """Readers time out while the owner's agent still stages their copies (a slow
+    plug-in): they never learn the read's id, so they cannot release it, and each
+    staged copy stayed until the region closed. The agent now releases a prepared
+    read once its reader's deadline is past by ``ABANDONED_AFTER_S``."""
+    cloudpickle.register_pickle_by_value(plugin_transports)
+    rd.register_tensor_transport("slow_staging", ["cpu"], SlowStagingTransport, replace=True)
+    others = plugin_files()
+
+    def staged() -> set[str]:
+        return {f for f in plugin_files() - others if not f.startswith("rdplug-gc-")}
+
+    owner = Owner.remote("slow_staging")
+    try:
+        handle = ray.get(owner.handle.remote())
+        ray.get(owner.prepared_reads.remote(0.5))
+        dests = [torch.zeros(BLOCKS, BLOCK_ELEMS) for _ in range(LAYERS)]
+        rows = kv_rows(BLOCKS_READ, DEST_BLOCKS)
+        for _ in range(3):
+            with pytest.raises(rd.FetchTimeoutError):
+                rd.read_ranges(handle, rows, into=dests, timeout=0.3)
+        wait_for(lambda: ray.get(owner.prepared_reads.remote()) == 3, 30, "staged")
+        assert len(staged()) == 3
+
+        def a_read_releases_them() -> bool:
+            rd.read_ranges(handle, rows, into=dests, timeout=30)
+            return ray.get(owner.prepared_reads.remote()) == 0 and not staged()
+
+        wait_for(a_read_releases_them, 30, "the abandoned reads released")
+        assert dests[0][DEST_BLOCKS[0]].equal(layer_value(0)[BLOCKS_READ[0]])
     finally:
         ray.kill(owner)
 

@@ -214,7 +214,9 @@ def _read_plugin(
     payload: Payload, name: str, ranges: Ranges, deadline: float | None, gate: WriteGate | None
 ) -> None:
     """One read over one-sided plug-in ``name`` (the module's docstring)."""
-    answer, frames = _ask(payload, {"op": _wire.REGION_EXTRACT, "transport": name}, deadline)
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    extract = {"op": _wire.REGION_EXTRACT, "transport": name, "timeout": left}
+    answer, frames = _ask(payload, extract, deadline)
     who = payload.producer.describe()
     try:
         read_id = str(answer["read"])

@@ -16,6 +16,7 @@ import collections
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,11 @@ from raydirect.transports.registry import registration, transport_instance
 log = logging.getLogger("raydirect")
 
 _INBOX_MAX = 1 << 16  # notices waiting for Region.notices(); more are refused
+# A prepared plug-in read whose reader's deadline passed this long ago is
+# released without it: the reader gave up (a timeout during the preparation left
+# it without the read's id) or died, and a plug-in that stages a copy would keep
+# one per such read for the region's life.
+ABANDONED_AFTER_S = 30.0
 
 
 @dataclass
@@ -42,8 +48,9 @@ class OpenRegion:
     on_notice: Callable[[Any], None] | None
     inbox: collections.deque[Any] = field(default_factory=collections.deque)
     cond: threading.Condition = field(default_factory=threading.Condition)
-    # Plug-in reads prepared from it and not yet released: read id -> (transport, metadata).
-    reads: dict[str, tuple[str, Any]] = field(default_factory=dict)
+    # Plug-in reads prepared from it and not yet released: read id -> (transport,
+    # metadata, when it may be released without its reader: monotonic, or None).
+    reads: dict[str, tuple[str, Any, float | None]] = field(default_factory=dict)
     closed: bool = False
 
 
@@ -71,7 +78,18 @@ def release_reads(state: OpenRegion) -> None:
     """Release every plug-in read still prepared from a closing region."""
     with state.cond:
         reads, state.reads = state.reads, {}
-    for read_id, (name, meta) in reads.items():
+    for read_id, (name, meta, _) in reads.items():
+        _garbage_collect(name, read_id, meta, state.obj)
+
+
+def _release_abandoned(state: OpenRegion) -> None:
+    """Release the prepared reads past their reader's deadline (on each extract
+    and release: the reads they leave behind are bounded by the region's use)."""
+    now = time.monotonic()
+    with state.cond:
+        gone = [r for r, (_, _, end) in state.reads.items() if end is not None and end < now]
+        dropped = [(r, state.reads.pop(r)) for r in gone]
+    for read_id, (name, meta, _) in dropped:
         _garbage_collect(name, read_id, meta, state.obj)
 
 
@@ -112,11 +130,16 @@ def _serve_extract(obj: StoredObject, request: dict[str, Any], reply: Reply) -> 
     tensors = obj.originals
     if registration(name).data_type is np.ndarray:
         tensors = [t.numpy() if isinstance(t, torch.Tensor) else t for t in tensors]
+    timeout = request.get("timeout")
+    if timeout is not None and (type(timeout) not in (int, float) or not timeout >= 0):
+        raise ValueError(f"timeout={timeout!r}: a number of seconds >= 0, or None")
+    end = None if timeout is None else time.monotonic() + timeout + ABANDONED_AFTER_S
+    _release_abandoned(state)
     read_id = _process.new_id().hex()
     with obj.serving():
         meta = transport_instance(name).extract_tensor_transport_metadata(read_id, tensors)
         with state.cond:
-            state.reads[read_id] = (name, meta)
+            state.reads[read_id] = (name, meta, end)
     frames: list[bytes] = []
     reply.send({"ok": True, "read": read_id, "meta": _wire.encode_value(meta, frames)}, *frames)
 
@@ -127,8 +150,13 @@ def _serve_release(obj: StoredObject, request: dict[str, Any], reply: Reply) -> 
     state = _state_of(obj)
     with state.cond:
         found = state.reads.pop(str(request.get("read", "")), None)
-    if found is not None:
-        _garbage_collect(found[0], str(request.get("read")), found[1], obj)
+    _release_abandoned(state)
+    if found is None:  # what it read may be gone: the reader must not return it
+        raise TransferError(
+            f"region {obj.label!r} released this read before it ended: its deadline had "
+            f"passed {ABANDONED_AFTER_S:g}s before (read it again)"
+        )
+    _garbage_collect(found[0], str(request.get("read")), found[1], obj)
     reply.send({"ok": True})
 
 
