@@ -37,6 +37,9 @@ from region_actors import (
 
 import raydirect as rd
 from raydirect import _region_rows
+from raydirect._consumer import fetch_ranges
+from raydirect._ranges import Ranges
+from raydirect._region_handle import RegionHandle
 
 import plugin_transports
 from helpers import wait_for
@@ -381,6 +384,17 @@ def _bad_cases() -> list:
             [good], np.zeros(8, np.float32)[::2], ValueError, "C-contiguous", id="np-strided"
         ),
         pytest.param([good], bytes(end), TypeError, "bytes", id="read-only"),
+        # a lazily conjugated view: its bytes are not its values (it returned them conjugated)
+        pytest.param(
+            [good],
+            torch.zeros(end // 8, dtype=torch.complex64).conj(),
+            ValueError,
+            "resolve_conj",
+            id="conj-dest",
+        ),
+        pytest.param(
+            [good], torch.zeros(end // 4)._neg_view(), ValueError, "resolve_neg", id="neg-dest"
+        ),
     ]
 
 
@@ -394,6 +408,16 @@ def test_bad_input_is_refused_before_a_byte_moves(owner, rows, dest, error, matc
     if dest is None:
         assert bool((target == 0).all())
     assert rd.local_stats().bytes_received == received
+
+
+def test_a_handle_with_a_size_beyond_64_bits_is_refused_as_malformed(owner, ray_session):
+    """It raised OverflowError deep in the row checks; a malformed handle is a ValueError."""
+    handle = ray.get(owner.handle.remote()).to_dict()
+    for size in (1 << 63, 1 << 70):
+        with pytest.raises(ValueError, match="below 2\\*\\*63"):
+            rd.read_ranges(
+                {**handle, "nbytes": [size] * LAYERS}, [[0, 0, 4, 0, 0]], into=torch.zeros(4)
+            )
 
 
 def test_bad_transports_are_refused(owner, ray_session):
@@ -584,3 +608,37 @@ def test_a_cma_read_of_memory_freed_after_close_is_producer_lost(ray_session):
             assert isinstance(error, rd.ProducerLostError), repr(error)
     finally:
         ray.kill(owner)
+
+
+def _hostile_ranges(count: int, stride: int, length: int = 8) -> Ranges:
+    dest = torch.zeros(length, dtype=torch.uint8)
+    return Ranges(
+        np.array([0]),
+        np.array([0]),
+        np.array([length]),
+        np.array([count]),
+        np.array([stride], dtype=np.int64),
+        [dest],
+    )
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_ranges_whose_arithmetic_wraps_are_refused_and_the_owner_serves_on(transport):
+    """A peer holding the handle sends its own ranges (rd.read_ranges sends one run
+    per row): runs whose end, computed in int64, wrapped around passed the agent's
+    check, and serving them read far outside the tensor: the owner died of SIGSEGV.
+    Overlapping runs (a stride below the length, or 0) could make a tiny request
+    send the tensor over and over; refused too."""
+    owner, reader = Owner.remote(), RegionReader.remote()
+    try:
+        handle = ray.get(owner.handle.remote())
+        payload = RegionHandle.of(handle).payload()
+        for count, stride in [(3, (1 << 62) + 8), (2, 1 << 62), ((1 << 40), 0), (4, 4)]:
+            with pytest.raises(rd.TransferError, match="reaches past|overlap"):
+                fetch_ranges(
+                    payload, _hostile_ranges(count, stride), time.monotonic() + 30, transport
+                )
+        assert_read(ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS)))
+    finally:
+        ray.kill(owner)
+        ray.kill(reader)

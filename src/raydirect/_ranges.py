@@ -83,6 +83,8 @@ class Ranges:
             raise ValueError(f"a row is not five whole numbers: {exc}") from exc
         if any(len(row) != 5 for row in table):
             raise ValueError("a row is not five whole numbers")
+        if any(not -_INT64 <= v < _INT64 for row in table for v in row):
+            raise ValueError("a row holds a number beyond 64 bits")
         ranges = cls.of_rows(table, [])
         ranges.check_within(list(sizes))
         return ranges
@@ -137,9 +139,20 @@ class Ranges:
             raise ValueError("a range with a negative offset or length, or no runs")
         if (self.stride < 0).any():
             raise ValueError("a range with a negative stride")
-        last = self.offset + (self.count - 1) * self.stride + self.length
-        if (last > np.asarray(sizes, dtype=np.int64)[self.index]).any():
+        # Step by step, never a sum or product that can wrap around int64: a
+        # request's stride near 2**62 made ``offset + (count-1)*stride + length``
+        # negative, the row "fitted", and serving it read far outside the tensor.
+        room = np.asarray(sizes, dtype=np.int64)[self.index] - self.offset
+        if (room < 0).any() or (self.length > room).any():
             raise ValueError("a range reaches past the end of its tensor")
+        room -= self.length  # what the later runs of a row may step over
+        many = self.count > 1
+        if many.any():
+            stride, steps = self.stride[many], self.count[many] - 1
+            if (stride < self.length[many]).any() or (stride == 0).any():
+                raise ValueError("a range's runs overlap: its stride is below its length")
+            if (steps > room[many] // stride).any():
+                raise ValueError("a range reaches past the end of its tensor")
 
     def strided_view(self, source: torch.Tensor, row: int) -> torch.Tensor:
         """The bytes row ``row`` reads, as a (count, length) view of ``source``'s flat bytes."""
@@ -154,6 +167,7 @@ def _no_views(i: int) -> torch.Tensor:
     raise TypeError("these ranges land at raw addresses; copy them with copy_runs")
 
 
+_INT64 = 1 << 63
 _COPY_SLICE = 64 << 20  # bytes copied between looks at the caller's deadline
 
 

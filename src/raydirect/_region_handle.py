@@ -209,6 +209,7 @@ def _text(value: Any) -> str:
 
 
 def _whole(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{value!r} is not a whole number")
+    """A whole number that fits the int64 arithmetic of the reads (``ValueError``)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise ValueError(f"{value!r} is not a whole number below 2**63")
     return value

@@ -125,7 +125,7 @@ def notify_region(handle: Any, message: Any, *, timeout: float | None = None) ->
     region = RegionHandle.of(handle)
     encoded = _notice(message)
     deadline = None if timeout is None else time.monotonic() + timeout
-    with _mapped_errors(region, timeout, "notifying its owner"):
+    with _mapped_errors(region, timeout, "notifying its owner", writes=False):
         _ask(_payload_of(region), {"op": _wire.REGION_NOTICE, "message": encoded}, deadline)
 
 
@@ -154,17 +154,24 @@ def _read(
 
 
 @contextlib.contextmanager
-def _mapped_errors(region: RegionHandle, timeout: float | None, doing: str) -> Any:
+def _mapped_errors(
+    region: RegionHandle, timeout: float | None, doing: str, writes: bool = True
+) -> Any:
     try:
         yield
     except ProducerLostError as exc:
         cause = str(exc).split(";", 1)[0].removeprefix(f"the producer {region.describe()} ")
         raise ProducerLostError.of_region(region.describe(), f"{doing}, its owner {cause}") from exc
     except TimeoutError as exc:
+        wrote = (
+            "the destinations may hold some of the bytes, and nothing of this call writes "
+            "them any more. "
+            if writes
+            else "the owner may or may not have it. "
+        )
         raise FetchTimeoutError(
-            f"{doing} did not finish within {timeout}s ({region.describe()}: {exc}); the "
-            "destinations may hold some of the bytes, and nothing of this call writes them "
-            "any more. Pass a larger timeout, or check that the owner is alive and reachable"
+            f"{doing} did not finish within {timeout}s ({region.describe()}: {exc}); {wrote}"
+            "Pass a larger timeout, or check that the owner is alive and reachable"
         ) from exc
 
 
@@ -362,6 +369,11 @@ def _destination(value: Any, i: int) -> _Landing:
         )
     if value.layout != torch.strided or value.is_quantized or not value.is_contiguous():
         raise ValueError(f"destination {i} is not contiguous: rows land at byte offsets in it")
+    if value.is_conj() or value.is_neg():  # its bytes are not the values it shows
+        raise ValueError(
+            f"destination {i} is a lazily conjugated or negated view: read into "
+            "t.resolve_conj() / t.resolve_neg() (a tensor of its own), then use it"
+        )
     return _Landing(value, flat=False)
 
 
