@@ -469,19 +469,19 @@ def test_reads_are_counted_on_both_sides(owner, reader, transport):
 # ------------------------------------------------------------ plug-ins
 
 
+def _staged_since(others: set[str]) -> set[str]:
+    """The plug-in files staged since ``others`` were: other modules' plug-ins
+    leave their own marker files (rdplug-gc-*) behind while their workers exit."""
+    return {f for f in plugin_files() - others if not f.startswith("rdplug-gc-")}
+
+
 def test_a_one_sided_plugin_reads_the_bytes_as_they_are(reader, ray_session):
     """A plug-in moves whole tensors (its interface has no ranges): the owner's
     agent extracts them for each read from the tensors as they are then, and
     releases them (``garbage_collect``) when the read ends or the region closes."""
     cloudpickle.register_pickle_by_value(plugin_transports)
     rd.register_tensor_transport("pickle_shm", ["cpu"], PickleShmTransport, replace=True)
-    # Other modules' plug-ins leave their own marker files (rdplug-gc-*) behind
-    # while their workers exit: this test owns only the files that appear now.
     others = plugin_files()
-
-    def files() -> set[str]:
-        return {f for f in plugin_files() - others if not f.startswith("rdplug-gc-")}
-
     owner = Owner.remote("pickle_shm")
     try:
         handle = ray.get(owner.handle.remote())
@@ -490,13 +490,13 @@ def test_a_one_sided_plugin_reads_the_bytes_as_they_are(reader, ray_session):
         assert_read(ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS)))
         after = ray.get(reader.stats.remote()).objects_received.get("pickle_shm", 0)
         assert after == before + 1
-        assert files() == set()  # released when the read ended
+        assert _staged_since(others) == set()  # released when the read ended
         ray.get(owner.fill.remote(5.0))
         assert_read(ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS)), fill=5.0)
         ray.get(owner.close.remote())
         error = ray.get(reader.read_error.remote(handle, None))
         assert error.startswith("ProducerLostError|True|"), error
-        assert files() == set()
+        assert _staged_since(others) == set()
     finally:
         ray.kill(owner)
 
@@ -509,10 +509,6 @@ def test_a_plugin_read_whose_reader_gave_up_is_released(ray_session):
     cloudpickle.register_pickle_by_value(plugin_transports)
     rd.register_tensor_transport("slow_staging", ["cpu"], SlowStagingTransport, replace=True)
     others = plugin_files()
-
-    def staged() -> set[str]:
-        return {f for f in plugin_files() - others if not f.startswith("rdplug-gc-")}
-
     owner = Owner.remote("slow_staging")
     try:
         handle = ray.get(owner.handle.remote())
@@ -523,11 +519,11 @@ def test_a_plugin_read_whose_reader_gave_up_is_released(ray_session):
             with pytest.raises(rd.FetchTimeoutError):
                 rd.read_ranges(handle, rows, into=dests, timeout=0.3)
         wait_for(lambda: ray.get(owner.prepared_reads.remote()) == 3, 30, "staged")
-        assert len(staged()) == 3
+        assert len(_staged_since(others)) == 3
 
         def a_read_releases_them() -> bool:
             rd.read_ranges(handle, rows, into=dests, timeout=30)
-            return ray.get(owner.prepared_reads.remote()) == 0 and not staged()
+            return ray.get(owner.prepared_reads.remote()) == 0 and not _staged_since(others)
 
         wait_for(a_read_releases_them, 30, "the abandoned reads released")
         assert dests[0][DEST_BLOCKS[0]].equal(layer_value(0)[BLOCKS_READ[0]])

@@ -83,9 +83,10 @@ class Ranges:
             raise ValueError(f"a row is not five whole numbers: {exc}") from exc
         if any(len(row) != 5 for row in table):
             raise ValueError("a row is not five whole numbers")
-        if any(not -_INT64 <= v < _INT64 for row in table for v in row):
-            raise ValueError("a row holds a number beyond 64 bits")
-        ranges = cls.of_rows(table, [])
+        try:
+            ranges = cls.of_rows(table, [])
+        except OverflowError as exc:
+            raise ValueError("a row holds a number beyond 64 bits") from exc
         ranges.check_within(list(sizes))
         return ranges
 
@@ -167,7 +168,6 @@ def _no_views(i: int) -> torch.Tensor:
     raise TypeError("these ranges land at raw addresses; copy them with copy_runs")
 
 
-_INT64 = 1 << 63
 _COPY_SLICE = 64 << 20  # bytes copied between looks at the caller's deadline
 
 

@@ -74,20 +74,17 @@ def names() -> list[str]:
         return [s.obj.label for s in _open.values() if not s.closed]
 
 
-def release_reads(state: OpenRegion) -> None:
-    """Release every plug-in read still prepared from a closing region."""
+def release_reads(state: OpenRegion, abandoned_by: float | None = None) -> None:
+    """Release the plug-in reads still prepared from a region: every one (it is
+    closing), or those whose reader's deadline ended before ``abandoned_by``
+    (on each extract and release: what they leave behind is bounded by the
+    region's use)."""
     with state.cond:
-        reads, state.reads = state.reads, {}
-    for read_id, (name, meta, _) in reads.items():
-        _garbage_collect(name, read_id, meta, state.obj)
-
-
-def _release_abandoned(state: OpenRegion) -> None:
-    """Release the prepared reads past their reader's deadline (on each extract
-    and release: the reads they leave behind are bounded by the region's use)."""
-    now = time.monotonic()
-    with state.cond:
-        gone = [r for r, (_, _, end) in state.reads.items() if end is not None and end < now]
+        gone = [
+            r
+            for r, (_, _, end) in state.reads.items()
+            if abandoned_by is None or (end is not None and end < abandoned_by)
+        ]
         dropped = [(r, state.reads.pop(r)) for r in gone]
     for read_id, (name, meta, _) in dropped:
         _garbage_collect(name, read_id, meta, state.obj)
@@ -134,7 +131,7 @@ def _serve_extract(obj: StoredObject, request: dict[str, Any], reply: Reply) -> 
     if timeout is not None and (type(timeout) not in (int, float) or not timeout >= 0):
         raise ValueError(f"timeout={timeout!r}: a number of seconds >= 0, or None")
     end = None if timeout is None else time.monotonic() + timeout + ABANDONED_AFTER_S
-    _release_abandoned(state)
+    release_reads(state, abandoned_by=time.monotonic())
     read_id = _process.new_id().hex()
     with obj.serving():
         meta = transport_instance(name).extract_tensor_transport_metadata(read_id, tensors)
@@ -150,7 +147,7 @@ def _serve_release(obj: StoredObject, request: dict[str, Any], reply: Reply) -> 
     state = _state_of(obj)
     with state.cond:
         found = state.reads.pop(str(request.get("read", "")), None)
-    _release_abandoned(state)
+    release_reads(state, abandoned_by=time.monotonic())
     if found is None:  # what it read may be gone: the reader must not return it
         raise TransferError(
             f"region {obj.label!r} released this read before it ended: its deadline had "

@@ -164,15 +164,15 @@ class KVScheduler:
         # By position: D's prefix-cache blocks come first, then the ones to read
         # (P's generated tokens, if any, lie in blocks after the prompt's).
         ahead = len(blocks.get_block_ids()[0]) - len(local)
-        pairs = list(zip(local, handoff.block_ids[ahead:], strict=False))
+        remote = list(handoff.block_ids[ahead : ahead + len(local)])
         needed = -(-(ahead * self.block_size + num_external) // self.block_size) - ahead
         error = None
-        if len(pairs) < needed:
+        if len(remote) < needed:
             error = f"the prefill engine handed over {len(handoff.block_ids)} blocks, too few"
         self._reads[request.request_id] = Read(
             request.request_id,
-            [b for b, _ in pairs],
-            [b for _, b in pairs],
+            local[: len(remote)],
+            remote,
             handoff,
             awaiting=num_external > 0,
             error=error,

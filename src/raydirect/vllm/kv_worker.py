@@ -267,17 +267,17 @@ class Notifier:
                 failed = exc
             with self._lock:
                 queue.popleft()  # the sent one stayed first: no second thread meanwhile
-                dropped = len(queue) if failed is not None else 0
-                if failed is not None:
-                    queue.clear()  # to the same engine: they would wait as long
-            if failed is not None:
-                logger.info(
-                    "RaydirectConnector: could not tell a prefill engine to free request "
-                    "%s's blocks (%s), nor %d more queued for it; its lease frees them",
-                    request,
-                    failed,
-                    dropped,
-                )
+                if failed is None:
+                    continue
+                dropped = len(queue)
+                queue.clear()  # to the same engine: they would wait as long
+            logger.info(
+                "RaydirectConnector: could not tell a prefill engine to free request "
+                "%s's blocks (%s), nor %d more queued for it; its lease frees them",
+                request,
+                failed,
+                dropped,
+            )
 
 
 def status() -> list[dict[str, Any]]:
