@@ -4,6 +4,7 @@ after that gets ProducerLostError naming the lifetime, never stale bytes."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -13,7 +14,7 @@ import torch
 from ray import cloudpickle
 
 import raydirect as rd
-from raydirect import _lifetime
+from raydirect import _lifetime, _ray, _stream_server
 from raydirect._payload import Payload, get_deferred
 
 from helpers import wait_for
@@ -21,6 +22,7 @@ from helpers import wait_for
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 NUMEL = 1 << 18  # 1 MiB of float32: never inline
+BIG_NUMEL = 1 << 24  # 64 MiB of float32: a tcp stream a deadline can cut short
 
 
 def pattern(seed: int) -> torch.Tensor:
@@ -49,6 +51,10 @@ class Stage:
     @rd.method(reads=1, ttl=600, tensor_transport="tcp")
     def once_tcp(self, seed: int) -> torch.Tensor:
         return pattern(seed)
+
+    @rd.method(reads=1, ttl=600, tensor_transport="tcp")
+    def once_tcp_big(self, seed: int) -> torch.Tensor:
+        return torch.full((BIG_NUMEL,), float(seed))
 
     @rd.method(reads=1, ttl=600)
     def once_or_in_ten_minutes(self, seed: int) -> torch.Tensor:
@@ -197,6 +203,50 @@ def test_reads_the_agent_serves_count_too(stages, method):
     wait_for(lambda: held(producer) == 0, what="freed after its read")
     error = ray.get(consumer.read_error.remote([ref]))
     assert "reads=1" in error, error  # the agent's refusal names the lifetime
+
+
+def stream_tickets(producer: Any) -> tuple[int, int]:
+    """The producer's stream server: tickets issued so far, and those not ended."""
+    server = lambda _self: (_stream_server.running().issued, _stream_server.running().pending())  # noqa: E731
+    return ray.get(_ray.run_in_actor(producer, server))
+
+
+def test_a_tcp_read_cut_short_uses_up_no_read(stages):
+    """A reads=1 object whose tcp stream fails midway (here the reader's deadline)
+    is not freed by it: the count waits for the last byte, so reading it again
+    gets the bytes. Counted when the ticket was issued, it was freed unread."""
+    producer, _ = stages
+    wait_for(lambda: held(producer) == 0, what="empty store")
+    timeout, unsent = 0.002, []
+    for _ in range(60):  # fresh objects, until a read's deadline fell mid-stream
+        ref = producer.once_tcp_big.remote(3)
+        ray.wait([ref])
+        issued, _ = stream_tickets(producer)
+        try:
+            rd.get(ref, timeout=timeout, tensor_transport="tcp")
+            timeout *= 0.7  # read whole in time: cut the next one shorter
+            continue
+        except ray.exceptions.GetTimeoutError:
+            pass
+        # Every ticket ended (sent, dropped when sending failed, or unclaimed):
+        # what this read started is over on the producer's side too.
+        wait_for(lambda: stream_tickets(producer)[1] == 0, timeout=30, what="tickets ended")
+        if stream_tickets(producer)[0] == issued:  # given up before the producer answered
+            unsent.append(ref)
+            timeout *= 1.5
+            continue
+        try:
+            got = rd.get(ref, timeout=60, tensor_transport="tcp")
+        except rd.ProducerLostError:  # its deadline fell after the last byte left
+            continue
+        assert torch.equal(got, torch.full((BIG_NUMEL,), 3.0))
+        break
+    else:
+        pytest.fail("no read cut short midway left its object to read again")
+    for ref in unsent:  # the producer may still hold some, their read never counted
+        with contextlib.suppress(rd.ProducerLostError):
+            rd.get(ref, timeout=60, tensor_transport="tcp")
+    wait_for(lambda: held(producer) == 0, what="each freed by the read that arrived")
 
 
 @pytest.mark.parametrize("forced", ["tcp", "shm"])

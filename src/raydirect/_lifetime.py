@@ -19,8 +19,9 @@ foreign bytes. The seal is every object's (``Store.seal``); what a lifetime adds
 is ``Serving``. Host and CUDA memory alike: on the GPU, ``cuda_ipc`` on one node
 and ``nixl`` across nodes.
 
-A read counts when the producer learns of it: an ``shm`` or ``tcp`` read when
-its agent serves it, a read in this process when it is made, a one-sided read
+A read counts when the producer learns it was made: an ``shm`` read when its
+agent served it, a ``tcp`` read when its agent sent the last byte (a stream that
+failed midway used none), a read in this process when it is made, a one-sided read
 (``cma``, ``cuda_ipc``, ``nixl``) when its notice arrives (``_notices``: 2-20 ms
 after it). So a read that starts
 before the last counted one's notice arrives still succeeds: the count frees
@@ -121,17 +122,21 @@ class Lifetimes:
     def count_read(self, obj: StoredObject) -> None:
         """One read of ``obj`` made; the last its lifetime allows frees it. Free
         for the others: an object with no lifetime has no ``live``."""
-        if obj.live is None:
-            return
+        if obj.live is not None:
+            self.count_read_of(obj.obj_id)
+
+    def count_read_of(self, obj_id: bytes) -> None:
+        """``count_read`` by id: for a read that ends later (a ``tcp`` stream's last
+        byte), which then holds no memory of an object freed meanwhile."""
         with self._lock:
-            tracked = self._tracked.get(obj.obj_id)
+            tracked = self._tracked.get(obj_id)
             if tracked is None or tracked.ended or tracked.reads_left is None:
                 return
             tracked.reads_left -= 1
             if tracked.reads_left > 0:
                 return
             reads = tracked.lifetime.reads
-            self._end(obj.obj_id, f"after its {reads} read{'s' if reads != 1 else ''}", tracked)
+            self._end(obj_id, f"after its {reads} read{'s' if reads != 1 else ''}", tracked)
 
     def release(self, obj: StoredObject) -> None:
         """On ``obj``'s free (the reaper), after the store released its seal: no

@@ -410,9 +410,15 @@ def _serve_fetch(obj: StoredObject, request: dict[str, Any], reply: Reply) -> No
     if not isinstance(transport, ByteTransport):
         raise TransferError(f"transport {name!r} is not served by the agent")
     obj.check_unmodified()
+    obj_id, counted = obj.obj_id, obj.live is not None  # not obj: a stream holds this
+
+    def delivered(nbytes: int) -> None:
+        store.count_sent(name, nbytes)
+        if counted:
+            lifetimes.count_read_of(obj_id)
+
     with obj.serving():  # a region: its close waits until this read is off its memory
-        store.count_sent(name, transport.serve(obj, request, reply))
-    lifetimes.count_read(obj)
+        transport.serve(obj, request, reply, delivered)
 
 
 def _serve_sent(request: dict[str, Any], reply: Reply) -> None:

@@ -55,6 +55,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from raydirect import _process
@@ -94,6 +95,7 @@ class Ticket:
     secret: bytes
     expires: float
     claimed_until: float  # the expiry while no connection has named it
+    on_sent: Callable[[], None] | None = None
     sent: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -144,16 +146,19 @@ class StreamServer:
     def close_listener(self) -> None:
         self._listener.close()
 
-    def issue(self, views: list[memoryview]) -> tuple[bytes, bytes, int]:
+    def issue(
+        self, views: list[memoryview], on_sent: Callable[[], None] | None = None
+    ) -> tuple[bytes, bytes, int]:
         """A ticket for the concatenation of ``views`` (kept alive until sent): its
-        id, its secret and its size."""
+        id, its secret and its size. ``on_sent`` is called (on a connection's
+        thread) once its last byte was sent; never for a ticket that ended short."""
         ticket, secret = secrets.token_bytes(16), secrets.token_bytes(16)
         nbytes = sum(len(v) for v in views)
         self._sweep_tickets()
         now = time.monotonic()
         with self._lock:
             self._tickets[ticket] = Ticket(
-                views, nbytes, secret, now + TICKET_TTL_S, claimed_until=now + UNCLAIMED_TTL_S
+                views, nbytes, secret, now + TICKET_TTL_S, now + UNCLAIMED_TTL_S, on_sent
             )
             self.issued += 1
         return ticket, secret, nbytes
@@ -201,9 +206,15 @@ class StreamServer:
         with ticket.lock:
             ticket.sent += nbytes
             done = ticket.sent >= ticket.nbytes
-        if done:
-            with self._lock:
-                self._tickets.pop(key, None)
+        if not done:
+            return
+        with self._lock:
+            ended = self._tickets.pop(key, None)
+        if ended is not None and ended.on_sent is not None:  # once: a repeated window finds none
+            try:
+                ended.on_sent()
+            except Exception:
+                log.exception("raydirect streams: a sent ticket's callback failed")
 
     # -- connections
     def _accept_loop(self) -> None:

@@ -44,7 +44,7 @@ import os
 import threading
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -63,6 +63,9 @@ if TYPE_CHECKING:
     from raydirect._payload import ProducerInfo
     from raydirect._server import Reply
     from raydirect._store import StoredObject
+
+Delivered = Callable[[int], None]
+"""What a ``ByteTransport.serve`` calls with the bytes a consumer got, once it has them."""
 
 
 @dataclass
@@ -396,11 +399,17 @@ class ByteTransport(TensorTransportManager):
     ) -> TensorTransportMetadata:
         return TensorTransportMetadata(tensor_meta=[])
 
-    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> int:
+    def serve(
+        self, obj: StoredObject, request: dict[str, Any], reply: Reply, delivered: Delivered
+    ) -> None:
         """Called in the producer's agent (a worker thread) when a consumer asks
-        for ``obj`` over this transport. Answers through ``reply`` and returns the
-        bytes the consumer gets (all of the object's, or the ranges it asked for);
-        raising sends the consumer a ``TransferError`` with the exception's text.
+        for ``obj`` over this transport. Answers through ``reply``, and calls
+        ``delivered`` with the bytes the consumer gets (all of the object's, or the
+        ranges it asked for) once it has them: before returning when the reply
+        carries them or they wait in memory the consumer maps, later and from
+        another thread when they stream (``tcp``), never for a read that ended
+        short (it counts as a read: ``reads=N`` frees the object after the N-th).
+        Raising sends the consumer a ``TransferError`` with the exception's text.
         May run concurrently for different objects and for the same object."""
         raise NotImplementedError(f"transport {self.name!r} serves no agent requests")
 

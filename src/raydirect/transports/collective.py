@@ -25,7 +25,12 @@ from raydirect import _groups
 from raydirect._channel import channel
 from raydirect._ranges import Ranges
 from raydirect.errors import GroupError, TransportUnavailableError
-from raydirect.transports.base import ByteTransport, PeerMetadata, TensorTransportMetadata
+from raydirect.transports.base import (
+    ByteTransport,
+    Delivered,
+    PeerMetadata,
+    TensorTransportMetadata,
+)
 
 if TYPE_CHECKING:
     from raydirect._server import Reply
@@ -64,7 +69,9 @@ class CollectiveTransport(ByteTransport):
             )
         return TensorTransportMetadata(tensor_meta=[], extra={"groups": groups})
 
-    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> int:
+    def serve(
+        self, obj: StoredObject, request: dict[str, Any], reply: Reply, delivered: Delivered
+    ) -> None:
         group = _groups.local_group(str(request.get("group")))
         if group is None or group.generation != request.get("generation"):
             raise GroupError(f"the producer is no longer in group {request.get('group')!r}")
@@ -82,7 +89,7 @@ class CollectiveTransport(ByteTransport):
         except Exception as exc:
             _groups.mark_broken(group, f"sending to rank {dst} failed: {exc}")
             raise
-        return obj.nbytes
+        delivered(obj.nbytes)
 
     # ---- consumer side
     def shared_group(self, extra: dict[str, Any]) -> tuple[_groups.Group, int] | None:

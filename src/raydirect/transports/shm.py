@@ -48,7 +48,7 @@ from raydirect._channel import channel
 from raydirect._ranges import Ranges, copy_runs
 from raydirect._tensors import arena_layout
 from raydirect.errors import ProducerLostError, TransferError
-from raydirect.transports.base import ByteTransport, PeerMetadata
+from raydirect.transports.base import ByteTransport, Delivered, PeerMetadata
 
 if TYPE_CHECKING:
     from raydirect._server import Reply
@@ -310,9 +310,12 @@ class ShmTransport(ByteTransport):
             self._pool = SegmentPool()
         return self._pool
 
-    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> int:
+    def serve(
+        self, obj: StoredObject, request: dict[str, Any], reply: Reply, delivered: Delivered
+    ) -> None:
         if "into" in request:
-            return self._serve_into(obj, request, reply)
+            delivered(self._serve_into(obj, request, reply))
+            return
         with obj.lock:  # consumers arriving together share one staging copy
             if obj.freed:  # after its free released its state: a segment would leak
                 raise ProducerLostError.freed_meanwhile()
@@ -327,7 +330,7 @@ class ShmTransport(ByteTransport):
                 obj.transport_state[self.name] = state
         reply.send({"ok": True, **state})
         asked = request.get("nbytes")  # what the consumer copies out (all, or its ranges)
-        return min(int(asked), obj.nbytes) if isinstance(asked, int) else obj.nbytes
+        delivered(min(int(asked), obj.nbytes) if isinstance(asked, int) else obj.nbytes)
 
     def _serve_into(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> int:
         """A region's read: copy the rows asked for, now, into the reader's segment."""

@@ -25,7 +25,7 @@ from raydirect import _stream_client, _stream_server
 from raydirect._channel import Channel, channel
 from raydirect._ranges import Ranges, copy_runs
 from raydirect.errors import TransferError
-from raydirect.transports.base import ByteTransport, PeerMetadata
+from raydirect.transports.base import ByteTransport, Delivered, PeerMetadata
 
 if TYPE_CHECKING:
     from raydirect._server import Reply
@@ -87,19 +87,24 @@ class TcpTransport(ByteTransport):
     devices = ("cpu",)
     ranged = True
 
-    def serve(self, obj: StoredObject, request: dict[str, Any], reply: Reply) -> int:
+    def serve(
+        self, obj: StoredObject, request: dict[str, Any], reply: Reply, delivered: Delivered
+    ) -> None:
         sources = _sources(obj, requested(obj, request))
         nbytes = sum(s.numel() for s in sources)
         if nbytes <= INLINE_MAX_BYTES:
             reply.send({"ok": True, "inline": True}, *[s.numpy().tobytes() for s in sources])
-            return nbytes
+            delivered(nbytes)
+            return
         streams = _stream_server.running()
         if streams is None:
             raise RuntimeError("this agent has no stream port")
-        ticket, secret, _ = streams.issue([byte_view(s) for s in sources])
+        # Counted on the last byte: a stream that fails (the consumer's deadline,
+        # a reset) used up no read of a reads=N object, which it can then read again.
+        views = [byte_view(s) for s in sources]
+        ticket, secret, _ = streams.issue(views, lambda: delivered(nbytes))
         offer = {"port": streams.port, "ticket": ticket.hex(), "secret": secret.hex()}
         reply.send({"ok": True, "stream": offer})
-        return nbytes
 
     def receive(
         self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata, ranges: Ranges
