@@ -183,10 +183,13 @@ class _Recorder(TorchDispatchMode):
         self.computed: set[int] = set()  # params written other than by a plain copy
         self.fed: set[str] = set()  # published names some computed value came from
         self.dirty: set[int] = set()  # probes a loader wrote into: no longer as published
+        self.broadcasts: set[str] = set()  # copies vLLM's reload refuses, one line each
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        if func is _COPY and args[0].numel() != args[1].numel():
+            self._broadcast(args[0], args[1])
         if func.is_view or (func is _COPY and self._plain(args[0], args[1])):
             return out
         written = _written(func, args, kwargs)
@@ -201,6 +204,18 @@ class _Recorder(TorchDispatchMode):
             if key not in done and key not in self.params and key not in self.probes:
                 self.taint[key] = names
         return out
+
+    def _broadcast(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """A loader's copy that broadcasts (a vocabulary embedding's loader checks
+        one dim only and copies the rest): torch takes it here, on meta tensors,
+        but vLLM's reload counts each copy's elements and asserts they match, so
+        the load would fail midway, after some layers changed."""
+        shapes = dict(self.probes.values())
+        for name in sorted(self.taint.get(_storage(src), set())):
+            self.broadcasts.add(
+                f"{name!r}: published with shape {shapes[name]}, which the engine's loader "
+                f"would broadcast into {tuple(dst.shape)}: not the shape it has"
+            )
 
     def _plain(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
         """Records ``dst.copy_(src)`` if it is a same-dtype copy of a published
@@ -308,6 +323,7 @@ def survey(model: torch.nn.Module, published: Published) -> Survey:
             out.problems += _refused(model, probes, recorder) or [
                 f"the engine's loader refused the update ({exc!r})"
             ]
+        out.problems += sorted(recorder.broadcasts)
         for key, (pname, stand) in params.items():
             if max(recorder.filled.get(k, 0) for k in twins.get(key, {key})) < stand.numel():
                 out.problems.append(
