@@ -58,9 +58,11 @@ def tied(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     ray.kill(actor, no_restart=True)
 
 
-def _trainer(engines: list[Any], source: WeightSource, timeout: float = 120) -> Any:
+def _trainer(
+    engines: list[Any], source: WeightSource, timeout: float = 120, name: str = "raydirect-vllm"
+) -> Any:
     return WeightTransferTrainerFactory.trainer_init(
-        RaydirectTrainerInitInfo(rank=0, timeout=timeout),
+        RaydirectTrainerInitInfo(rank=0, timeout=timeout, name=name),
         client=RayVLLMWeightSyncClient(engines),
         source=source,
     )
@@ -227,6 +229,45 @@ def test_an_engine_restarted_between_updates_takes_the_next(tied: Any) -> None:
     after = _stepped(model, 1.2)
     trainer.send_weights()
     assert _serves(tied, _tied_state(after), **TIED) < LOGPROB_TOLERANCE
+
+
+def _refusal(attempt: Any) -> str:
+    try:
+        attempt()
+    except rd.WeightSyncError as exc:
+        return str(exc)
+    return "not refused"
+
+
+def test_a_second_trainer_overlapping_the_first_is_refused(tied: Any) -> None:
+    """While the first trainer's update is in phase one (its vLLM session open), a
+    second trainer's update and a third one's init are refused, naming the
+    overlap, and the first's update lands. Before, the second's finish (or the
+    third's init) ended the first's session: the first waited out its deadline,
+    then said its engine held a mix under the new version, which it never loaded."""
+    first_model, second_model = random_llama(seed=63, **TIED), random_llama(seed=64, **TIED)
+    first = _trainer([tied], ModuleSource(first_model), timeout=60)
+    second = _trainer([tied], ModuleSource(second_model), timeout=60, name="second")
+    first.send_weights()
+    client, said = first._round.client, []
+    update = client.update_weights
+
+    def overlapped(info: Any) -> None:
+        update(info)  # the first's phase one is under way: its session is open
+        said.append(_refusal(second.send_weights))
+        said.append(_refusal(lambda: _trainer([tied], ModuleSource(second_model), name="third")))
+
+    client.update_weights = overlapped
+    after = _tied_state(_stepped(first_model, 1.1))
+    try:
+        first.send_weights()
+    finally:
+        client.update_weights = update
+    assert len(said) == 2 and all("must not overlap" in s for s in said), said
+    assert _serves(tied, after, **TIED) < LOGPROB_TOLERANCE
+    assert _version(tied) == "2" and _sessions_open(tied) == [False]
+    second.send_weights()  # once the first's update has ended, the second's lands
+    assert _serves(tied, _tied_state(state_of(second_model)), **TIED) < LOGPROB_TOLERANCE
 
 
 def _pid_or_none(engine: Any) -> int | None:

@@ -41,6 +41,7 @@ import raydirect as rd
 log = logging.getLogger(__name__)
 _SHOWN = 5  # problems listed in one message
 _SLACK = 10.0  # on top of a mailbox wait's own deadline, for the call itself
+_BUSY = "while a weight update is already active"  # vLLM's refusal of a second start
 
 
 def reserve_for_closing(timeout: float) -> float:
@@ -128,8 +129,9 @@ def drive(
 def _open_sessions(
     round_: Round, update: dict[str, Any], phase_end: float, problems: list[str]
 ) -> bool:
-    """Phase one's calls; False if no session was opened (a start that fails
-    on one engine may have opened the others: True then)."""
+    """Phase one's calls; False if no session was opened, or if an engine's
+    start was refused because another caller's session is open there (a start
+    that fails otherwise on one engine may have opened the others: True then)."""
     client = round_.client
     if round_.suspect:  # a worker then closes a session a failed call left open
         try:
@@ -140,6 +142,22 @@ def _open_sessions(
             return False
     try:
         _call(client.start_weight_update, (), "start_weight_update", phase_end)
+    except Exception as exc:
+        round_.suspect = True
+        said = _said(exc)
+        if _BUSY not in said:
+            problems.append(said)
+            return True
+        # Another caller's session is open there: finishing it would end that
+        # update (its trainer then waited out its deadline and reported a load
+        # that never ran). Sessions this start opened on other engines are
+        # closed by the next update's init.
+        problems.append(
+            f"{said} (an engine is in another update session: another trainer's update "
+            "is in progress there; updates of two trainers must not overlap on one engine)"
+        )
+        return False
+    try:
         update["seconds"] = max(phase_end - time.monotonic(), 0.0)
         _call(client.update_weights, (update,), "update_weights", phase_end)
     except Exception as exc:

@@ -159,6 +159,10 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
     # ----------------------------------------------------------------- init
 
     def init_transfer_engine(self, init_info: RaydirectInitInfo) -> None:
+        busy = _everyone(self._busy_for(str(init_info.name)))  # every worker alike
+        if any(busy):
+            _raise_once("init_weight_transfer_engine", busy)
+            return
         error = None
         try:
             self._close_stale_session()
@@ -172,6 +176,26 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         namespace = cluster.join(trainer)
         self._mailbox = cluster.mailbox(trainer, namespace)
         self._trainer = trainer
+
+    def _busy_for(self, name: str) -> str | None:
+        """Why trainer ``name`` may not take this engine now: another trainer
+        that is alive is in the middle of an update here (its session is not
+        stale: closing it would end that update before its decision)."""
+        pending, trainer = self._pending, self._trainer
+        if not self._open or pending is None or trainer is None or trainer.name == name:
+            return None
+        try:
+            ended = pending.mailbox.decided.remote(pending.version, 0.0)  # or its outcome known
+            decided = ray.get(ended, timeout=_SLACK)
+        except Exception:  # its trainer is gone: the session is stale
+            return None
+        if decided:
+            return None
+        return (
+            f"this engine is in the middle of trainer {trainer.name!r}'s update of version "
+            f"{pending.version}: updates of two trainers must not overlap on one engine; "
+            "init again once that update has ended"
+        )
 
     def _close_stale_session(self) -> None:
         """A new trainer while an update session is open (its trainer died, or a
