@@ -427,9 +427,7 @@ def _serve_sent(request: dict[str, Any], reply: Reply) -> None:
     writes, answer when asked. A notice races Ray's free of its object, so a read
     of an object freed since counts too: its capability vouches for its size."""
     reads = request.get("reads")
-    counted = 0
-    for read in reads if isinstance(reads, list) else ():
-        counted += _count_read(read)
+    counted = sum(map(_count_read, reads)) if isinstance(reads, list) else 0
     if _wire.wants_reply(request):
         reply.send({"ok": True, "counted": counted})
 
