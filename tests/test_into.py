@@ -161,3 +161,46 @@ def test_set_target_with_a_device_serves_a_plain_ray_get(pair):
     rd.set_target(ref, device="cpu")
     got = ray.get(ref)
     assert check_value("views", got) is None
+
+
+def _large_targets(overlap: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Targets for the "large" value, "f32" and "view" in one buffer, the second
+    starting ``overlap`` elements before the first ends."""
+    value = make_value("large")
+    n, m = value["f32"].numel(), value["view"].numel()
+    buf = torch.zeros(n + m)
+    return buf, {
+        "f32": buf[:n].view(value["f32"].shape),
+        "i64": torch.empty(value["i64"].shape, dtype=torch.int64),
+        "view": buf[n - overlap : n - overlap + m],
+    }
+
+
+@pytest.mark.parametrize("form", ["dict", "flat-list"])
+def test_targets_that_overlap_in_memory_are_refused_before_any_byte_moves(pair, form):
+    """Two views of one buffer that share bytes: each read overwrote the other's, and
+    the value came back with wrong bytes in one of them, nothing said."""
+    p, _ = pair
+    ref = p.value.remote("large")
+    ray.wait([ref])
+    buf, targets = _large_targets(overlap=100)
+    into = targets if form == "dict" else list(targets.values())
+    before = rd.local_stats().bytes_received
+    with pytest.raises(ValueError, match="tensors 0 and 2 of the object overlap in memory"):
+        rd.get(ref, into=into, timeout=60)
+    assert rd.local_stats().bytes_received == before and not buf.any()
+    buf, targets = _large_targets(overlap=0)  # side by side: fine
+    got = rd.get(ref, into=targets if form == "dict" else list(targets.values()), timeout=60)
+    assert check_value("large", got) is None and got["view"] is targets["view"]
+
+
+def test_targets_of_two_refs_that_overlap_in_memory_are_refused(pair):
+    p, _ = pair
+    refs = [p.value.remote("large"), p.value.remote("large")]
+    buf, first = _large_targets(overlap=0)
+    second = {"f32": buf[10 : 10 + first["f32"].numel()].view(first["f32"].shape)}
+    with pytest.raises(ValueError, match="tensor 0 of ref 0 and tensor 0 of ref 1 overlap"):
+        rd.get(refs, into=[first, second], timeout=60)
+    assert not buf.any()
+    got = rd.get(refs, into=[first, None], timeout=60)
+    assert all(check_value("large", v) is None for v in got)

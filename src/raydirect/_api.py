@@ -22,6 +22,7 @@ from raydirect._collector import collector_paused
 from raydirect._consumer import fetch_value, run_all
 from raydirect._into import (
     check_device_fits,
+    check_disjoint,
     describe_targets,
     match,
     on_device,
@@ -206,8 +207,8 @@ def get(
     ``state_dict()``: for one ref, a structure like the value's (or one tensor);
     for a list of refs, a list of those (``None`` where there is none). Every
     target's shape, dtype, device and contiguity are checked before a byte
-    moves (``ValueError``/``TypeError`` naming the target); the returned value
-    holds the target tensors themselves.
+    moves (``ValueError``/``TypeError`` naming the target), and that no two
+    targets share a byte; the returned value holds the target tensors themselves.
 
     ``device`` (``"cpu"``, ``"cuda"``, ``"cuda:N"``) allocates every received
     tensor on that device instead, as Ray's ``set_target_device_for_ref`` does:
@@ -263,11 +264,14 @@ def _checked_targets(
                 "use into= only for objects made by rd.method or rd.put"
             )
     with collector_paused():
-        return {
+        matched = {
             i: match(values[i].payload, intos[i], described[i])
             for i in pending
             if intos[i] is not None
         }
+        if len(matched) > 1:  # one ref's targets were checked by match
+            check_disjoint({i: (values[i].payload.metas, f) for i, f in matched.items()})
+    return dict(matched)
 
 
 def _moved(value: Any, device: torch.device | None) -> Any:

@@ -7,10 +7,10 @@ tensors, for instance ``model.state_dict()`` for a state dict. Or, as Ray's
 ``set_target_for_ref`` takes it, it is a flat list (or tuple) with one target
 per tensor of the value, in the order the value's tensors are met (a dict's
 in insertion order; a tensor that appears twice counts once), for instance
-``list(model.parameters())``. Every target is checked (type,
-device, dtype, shape, contiguity) before a byte moves, and the bytes land in
-the targets themselves: no receive buffer, no copy after. Tensors of the value
-that ``into`` does not cover arrive in a new buffer as usual.
+``list(model.parameters())``. Every target is checked (type, device, dtype,
+shape, contiguity, no byte shared with another target) before a byte moves, and
+the bytes land in the targets themselves: no receive buffer, no copy after.
+Tensors of the value that ``into`` does not cover arrive in a new buffer as usual.
 
 ``device=`` is the other way to say where the bytes land: every tensor of the
 value arrives on that device, in memory raydirect allocates there (a transport
@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from raydirect._payload import InlinePayload, Payload, join, state_dict_keys
+from raydirect._ranges import overlapping
 from raydirect._tensors import (
     DTYPE_NAMES,
     KIND_TORCH,
@@ -62,9 +63,8 @@ class _Slot:
 
 
 class MatchedTargets(dict[int, Any]):
-    """Targets by tensor index, matched in bulk from ``DescribedTargets``:
-    ``addresses`` holds each target's address in this dict's order, so the read
-    plan asks no tensor again."""
+    """Targets by tensor index, as ``match`` found them: ``addresses`` holds each
+    target's address in this dict's order, so the read plan asks no tensor again."""
 
     addresses: np.ndarray
 
@@ -162,15 +162,17 @@ def _match_described(
 
 def match(
     payload: Payload | InlinePayload, into: Any, described: DescribedTargets | None = None
-) -> dict[int, Any]:
+) -> MatchedTargets:
     """The target for each of ``payload``'s tensors that ``into`` covers, by index
     (``described``: ``into`` as ``describe_targets`` gave it).
 
-    Raises ``ValueError`` or ``TypeError`` naming the first target that does not fit.
+    Raises ``ValueError`` or ``TypeError`` naming the first target that does not fit,
+    or two that share memory.
     """
     if described is not None:
         matched = _match_described(payload, described)
         if matched is not None:
+            check_disjoint({0: (payload.metas, matched)})
             return matched
     if isinstance(into, (torch.Tensor, np.ndarray)):
         if len(payload.metas) != 1:
@@ -181,8 +183,39 @@ def match(
         found = {0: into}
     else:
         found = _match_structure(payload, into)
-    _check_all(payload, found)
-    return found
+    matched = MatchedTargets(found)
+    matched.addresses = _check_all(payload, found)
+    check_disjoint({0: (payload.metas, matched)})
+    return matched
+
+
+def check_disjoint(parts: Mapping[int, tuple[TensorMetas, MatchedTargets]]) -> None:
+    """Refuse targets that share a byte (views of one buffer that overlap), of one
+    object or, for several (``rd.get`` of many refs), across them: each read would
+    overwrite the other's bytes, and the value would hold the wrong ones. ``parts``:
+    each object's metas and targets, by its ref's position in the call."""
+    if sum(len(found) for _, found in parts.values()) < 2:
+        return
+    sizes, kinds = [], []
+    for metas, found in parts.values():
+        index = np.fromiter(found, np.int64, len(found))
+        sizes.append(np.asarray(metas.nbytes, np.int64)[index])
+        kinds.extend(metas.devices if len(index) == len(metas) else metas.select(index).devices)
+    starts = np.concatenate([found.addresses for _, found in parts.values()])
+    pair = overlapping(starts, np.concatenate(sizes), kinds)
+    if pair is None:
+        return
+    whose = [(r, i) for r, (_, found) in parts.items() for i in found]
+    (r1, i1), (r2, i2) = whose[pair[0]], whose[pair[1]]
+    where = (
+        f"tensors {i1} and {i2} of the object"
+        if len(parts) == 1
+        else f"tensor {i1} of ref {r1} and tensor {i2} of ref {r2}"
+    )
+    raise ValueError(
+        f"into= targets for {where} overlap in memory: each read would overwrite bytes of "
+        "the other; give each tensor a target of its own memory"
+    )
 
 
 def _index(keys: tuple[str, ...]) -> dict[str, int]:
@@ -229,9 +262,11 @@ def _is_target(obj: Any) -> bool:
     return isinstance(obj, (torch.Tensor, np.ndarray))
 
 
-def _check_all(payload: Payload | InlinePayload, found: dict[int, Any]) -> None:
-    if _all_fit(payload.metas, found):
-        return
+def _check_all(payload: Payload | InlinePayload, found: dict[int, Any]) -> np.ndarray:
+    """Check each target against its tensor; returns their addresses, in order."""
+    described = _described((), list(found.values()))
+    if described is not None and _fits(described, payload.metas, list(found)):
+        return np.asarray(described.addresses, dtype=np.int64)
     seen: dict[int, str] = {}
     for index, target in found.items():
         _check(target, payload.metas[index], index)
@@ -242,14 +277,7 @@ def _check_all(payload: Payload | InlinePayload, found: dict[int, Any]) -> None:
                 "give each tensor its own target"
             )
         seen[key] = str(index)
-
-
-def _all_fit(metas: TensorMetas, found: dict[int, Any]) -> bool:
-    """The common case checked in bulk: contiguous plain torch tensors of the
-    right shape, dtype and device, all in distinct memory. False sends the caller
-    through the checks one by one, which name the first target that does not fit."""
-    described = _described((), list(found.values()))
-    return described is not None and _fits(described, metas, list(found))
+    return np.fromiter(map(data_address, found.values()), np.int64, len(found))
 
 
 def _walk(shape: Any, into: Any, path: str, found: dict[int, Any]) -> None:
