@@ -204,3 +204,23 @@ def test_targets_of_two_refs_that_overlap_in_memory_are_refused(pair):
     assert not buf.any()
     got = rd.get(refs, into=[first, None], timeout=60)
     assert all(check_value("large", v) is None for v in got)
+
+
+@pytest.mark.parametrize("method", ["value", "value_tcp"])
+def test_two_targets_for_a_tensor_the_value_holds_twice_are_refused(pair, method):
+    """A value with tied weights ({"embed": t, "lm_head": t}) read into a model
+    whose two tensors are apart: only the second target was written, the first
+    kept its old bytes, nothing said."""
+    p, _ = pair
+    ref = getattr(p, method).remote("tied")
+    value = make_value("tied")
+    embed, head = torch.zeros_like(value["embed"]), torch.zeros_like(value["lm_head"])
+    targets = {"embed": embed, "norm": torch.empty_like(value["norm"]), "lm_head": head}
+    with pytest.raises(ValueError, match=r"into\['lm_head'\] and another target .* twice"):
+        rd.get(ref, into=targets, timeout=60)
+    assert not embed.any() and not head.any()
+    # One tensor under both names (a tied model's state_dict(): two detached views) loads.
+    targets["lm_head"] = embed.detach()
+    got = rd.get(ref, into=targets, timeout=60)
+    assert check_value("tied", got) is None and got["embed"] is embed
+    assert torch.equal(embed, value["embed"])

@@ -283,7 +283,14 @@ def _check_all(payload: Payload | InlinePayload, found: dict[int, Any]) -> np.nd
 def _walk(shape: Any, into: Any, path: str, found: dict[int, Any]) -> None:
     if isinstance(shape, _Slot):
         if into is not None:
-            found[shape.index] = into
+            held = found.setdefault(shape.index, into)
+            if held is not into and _view_of(held) != _view_of(into):
+                raise ValueError(
+                    f"{path} and another target are given for one tensor, which the value "
+                    "holds twice (tied weights, or one tensor under two names): only one "
+                    "would be written. Give the same tensor in both places, or leave one "
+                    "out (None) and copy into it after the read"
+                )
         return
     if into is None:
         return
@@ -343,6 +350,18 @@ def _check(target: Any, meta: TensorMeta, index: int) -> None:
         raise ValueError(
             f"{_where(index)} is on {view.device}; the tensor that arrives has {_expected(meta)}"
         )
+
+
+def _view_of(target: Any) -> tuple[Any, ...]:
+    """What makes two targets the same memory seen the same way (two detached
+    views of one tied parameter, say): address, shape, dtype, strides in bytes."""
+    if isinstance(target, np.ndarray):
+        return data_address(target), target.shape, str(target.dtype), target.strides
+    if isinstance(target, torch.Tensor):
+        size = target.element_size()
+        strides = tuple(s * size for s in target.stride())
+        return target.data_ptr(), tuple(target.shape), str(target.dtype), strides
+    return (id(target),)
 
 
 def _where(index: int) -> str:
