@@ -116,3 +116,31 @@ def test_param_data_swapped_between_two_loads_in_an_actor(ray_session):
     finally:
         ray.kill(trainer)
         ray.kill(reader)
+
+
+def test_targets_that_overlap_in_memory_are_refused_before_a_byte_moves(ray_session):
+    """An engine's fused qkv weight with one view's range off by a row: the q and k
+    loads overwrote each other's bytes, and the load said the version was in."""
+    source = {
+        "q": torch.full((8, D), 1.0),
+        "k": torch.full((4, D), 2.0),
+        "v": torch.full((4, D), 3.0),
+    }
+    pub = rd.WeightPublisher(source, depth=1)
+    fused = torch.zeros(15, D)
+    target = {"q": fused[:8], "k": fused[7:11], "v": fused[11:]}
+    sub = rd.WeightSubscriber(target)
+    with pytest.raises(
+        rd.WeightSyncError, match=r"'q' and 'k': the targets overlap in memory.*nothing was written"
+    ):
+        sub.load(pub.publish(1), timeout=30)
+    assert sub.version is None and not fused.any()
+    # Rows side by side load; one tensor under two names (tied weights) is no overlap.
+    fused = torch.zeros(16, D)
+    target = {"q": fused[:8], "k": fused[8:12], "v": fused[12:]}
+    assert rd.WeightSubscriber(target).load(pub.publish(2), timeout=30) == 2
+    assert [float(t.mean()) for t in target.values()] == [1.0, 2.0, 3.0]
+    tied = torch.zeros(4, D)
+    source["v"] = source["k"]
+    sub = rd.WeightSubscriber({"q": torch.zeros(8, D), "k": tied, "v": tied})
+    assert sub.load(pub.publish(3), timeout=30) == 3 and bool((tied == 2.0).all())

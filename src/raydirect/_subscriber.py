@@ -50,6 +50,7 @@ from raydirect._layouts import (
     state_of,
 )
 from raydirect._payload import PendingFetch, check_usable_here, get_deferred
+from raydirect._ranges import overlapping
 from raydirect.errors import RaydirectError, WeightSyncError
 
 Shard = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
@@ -313,6 +314,9 @@ class WeightSubscriber:
             shape.append(box[1])
             dests.append(writable_bytes(local_of(target)))
             loaded.append(name)
+        overlap = _overlap(loaded, dests)
+        if overlap is not None:
+            problems.append(overlap)
         rows = (
             np.asarray(tensor, np.int64),
             boxes.pad(start, ndim, 0),
@@ -354,6 +358,27 @@ class WeightSubscriber:
         if not local.is_contiguous():
             raise WeightSyncError(f"{name!r}: the target is not contiguous")
         return box
+
+
+def _overlap(names: list[str], dests: list[torch.Tensor]) -> str | None:
+    """Two targets that share memory without being the same (views of a fused
+    tensor whose ranges overlap): each load would overwrite bytes of the other.
+    One tensor under two names (tied weights) is the same memory twice: fine."""
+    spans = {(d.data_ptr(), d.numel(), d.device.type): n for n, d in zip(names, dests, strict=True)}
+    keys = list(spans)
+    pair = overlapping(
+        np.fromiter((k[0] for k in keys), np.int64, len(keys)),
+        np.fromiter((k[1] for k in keys), np.int64, len(keys)),
+        [k[2] for k in keys],
+    )
+    if pair is None:
+        return None
+    first, second = spans[keys[pair[0]]], spans[keys[pair[1]]]
+    return (
+        f"{first!r} and {second!r}: the targets overlap in memory, and each load would "
+        "overwrite bytes of the other; give each its own memory (check the ranges of views "
+        "of one fused tensor)"
+    )
 
 
 def _sliced(name: str, full: tuple[int, ...], spec: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
