@@ -125,3 +125,19 @@ def test_a_cancelled_get_async_stops_while_bytes_flow(big_producer, monkeypatch)
         _stream_client.close_idle()
     print(f"relayed before the cancellation returned: {relayed} of {SLOW} bytes")
     assert relayed < SLOW // 4, f"{relayed} bytes relayed before the cancellation returned"
+
+
+def test_a_failure_midway_says_the_targets_may_be_partly_written(big_producer):
+    """A read cut short (a sibling's failure, the deadline) leaves its into= targets
+    holding what had arrived: the error said nothing of the caller's tensors."""
+    failing = _dead_producers_ref()
+    big = big_producer.big.remote(BIG >> 2, 5)
+    ray.wait([big])
+    target = torch.zeros(BIG >> 2, dtype=torch.uint8)
+    with pytest.raises(rd.ProducerLostError, match=r"The into= targets of ref 1 may be partly"):
+        rd.get([failing, big], into=[None, target], tensor_transport="tcp", timeout=60)
+    with pytest.raises(rd.ProducerLostError, match=r"The into= targets may be partly written"):
+        rd.get(failing, into=torch.zeros(100_000, dtype=torch.float32), timeout=60)
+    with pytest.raises(rd.ProducerLostError) as lost:
+        rd.get([failing, big], timeout=60)
+    assert "into=" not in str(lost.value)  # no targets, nothing said of them

@@ -35,7 +35,7 @@ from raydirect._payload import PendingFetch, get_deferred, join, split
 from raydirect._producer import export
 from raydirect._producer import put as put_payload
 from raydirect._store import LocalStats, store
-from raydirect.errors import FetchTimeoutError
+from raydirect.errors import FetchTimeoutError, RaydirectError
 from raydirect.transports.base import WriteGate
 from raydirect.transports.registry import AUTO, check_name
 
@@ -244,12 +244,28 @@ def _get(
     if dev is not None:
         for i in pending:
             check_device_fits(values[i].payload.metas, dev)
-    fetched = _fetch_all(
-        {i: values[i] for i in pending}, targets, deadline, timeout, tensor_transport, dev, gate
-    )
+    try:
+        fetched = _fetch_all(
+            {i: values[i] for i in pending}, targets, deadline, timeout, tensor_transport, dev, gate
+        )
+    except RaydirectError as exc:
+        _say_partly_written(exc, sorted(targets), single)
+        raise
     for i, value in enumerate(values):
         values[i] = fetched[i] if i in fetched else _moved(value, dev)
     return values[0] if single else values
+
+
+def _say_partly_written(exc: RaydirectError, refs: list[int], single: bool) -> None:
+    """Add to a failure midway that ``into=`` targets may hold part of what was
+    read (the bytes that arrived before it, the rest as they were)."""
+    if not refs or len(exc.args) != 1 or not isinstance(exc.args[0], str):
+        return
+    whose = "" if single else f" of ref{'s' if len(refs) > 1 else ''} {', '.join(map(str, refs))}"
+    exc.args = (
+        f"{exc.args[0]} The into= targets{whose} may be partly written (bytes that arrived "
+        "before the failure, the others as they were): read the ref into them again",
+    )
 
 
 def _checked_targets(
