@@ -363,6 +363,30 @@ class Consumer:
         same = all(got[k] is targets[k] for k in targets)
         return {"problem": check_value(case, got), "targets_returned": same}
 
+    def get_into_mapped(
+        self, case: str, refs: list[ray.ObjectRef], transport: str, access: int
+    ) -> Any:
+        """get_into with the f32 target over a file mapped with ``access`` (an
+        ``mmap.ACCESS_*``): read-only memory is written, in the end, by a store
+        from Python or C (or the kernel's copy); the error, or what get_into reports."""
+        import mmap
+        import tempfile
+
+        targets = empty_like_value(make_value(case))
+        f32 = targets["f32"]
+        with tempfile.TemporaryFile(dir="/dev/shm") as f:
+            f.truncate(f32.nbytes)
+            mapped = mmap.mmap(f.fileno(), f32.nbytes, access=access)
+        with warnings.catch_warnings():  # torch warns of a buffer it cannot write
+            warnings.simplefilter("ignore")
+            targets["f32"] = torch.frombuffer(mapped, dtype=f32.dtype).view(f32.shape)
+        try:
+            got = rd.get(refs[0], into=targets, tensor_transport=transport, timeout=60)
+        except Exception as exc:
+            return f"{type(exc).__name__}: {exc}"
+        same = all(got[k] is targets[k] for k in targets)
+        return {"problem": check_value(case, got), "targets_returned": same}
+
     def get_into_bad(self, refs: list[ray.ObjectRef], targets: Any) -> str:
         """Targets the driver built to not fit; the error and whether bytes moved."""
         before = rd.local_stats().objects_received

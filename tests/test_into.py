@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import pytest
 import ray
 import torch
@@ -224,3 +226,19 @@ def test_two_targets_for_a_tensor_the_value_holds_twice_are_refused(pair, method
     got = rd.get(ref, into=targets, timeout=60)
     assert check_value("tied", got) is None and got["embed"] is embed
     assert torch.equal(embed, value["embed"])
+
+
+@pytest.mark.parametrize("transport", ["cma", "shm", "tcp"])
+@pytest.mark.parametrize("case", ["dtypes", "large"])  # inline in the ref, and a direct object
+def test_a_target_in_read_only_memory_is_refused_before_a_byte_moves(pair, case, transport):
+    """A target over a file mapped read-only (torch.frombuffer takes it, with a
+    warning): a copy out of the ref, an shm segment or a small tcp reply killed
+    the consumer with SIGSEGV, and cma and streamed tcp failed with 'Bad address'."""
+    p, c = pair
+    ref = p.value.remote(case)
+    said = ray.get(c.get_into_mapped.remote(case, [ref], transport, mmap.ACCESS_READ))
+    assert isinstance(said, str) and said.startswith("ValueError: into= target for tensor 0"), said
+    assert "cannot write (a read-only mapping" in said and "mmap.ACCESS_COPY" in said, said
+    # The fix the error names: the same file mapped copy-on-write.
+    got = ray.get(c.get_into_mapped.remote(case, [ref], transport, mmap.ACCESS_COPY))
+    assert got == {"problem": None, "targets_returned": True}

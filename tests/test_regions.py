@@ -10,10 +10,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import mmap
 import os
 import signal
+import tempfile
 import threading
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -355,6 +358,16 @@ def test_the_async_form_keeps_the_event_loop_running(owner, ray_session):
 # ------------------------------------------------------------ bad input
 
 
+def _read_only_mapping(nbytes: int) -> torch.Tensor:
+    """A tensor over a file mapped read-only: a store into it kills the process."""
+    with tempfile.TemporaryFile(dir="/dev/shm") as f:
+        f.truncate(nbytes)
+        mapped = mmap.mmap(f.fileno(), nbytes, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():  # torch warns of a buffer it cannot write
+        warnings.simplefilter("ignore")
+        return torch.frombuffer(mapped, dtype=torch.uint8)
+
+
 def _bad_cases() -> list:
     good = [1, 0, BLOCK_BYTES, 0, 0]
     end = BLOCKS * BLOCK_BYTES
@@ -384,6 +397,9 @@ def _bad_cases() -> list:
             [good], np.zeros(8, np.float32)[::2], ValueError, "C-contiguous", id="np-strided"
         ),
         pytest.param([good], bytes(end), TypeError, "bytes", id="read-only"),
+        pytest.param(
+            [good], _read_only_mapping(end), ValueError, "cannot write", id="read-only-mapping"
+        ),
         # a lazily conjugated view: its bytes are not its values (it returned them conjugated)
         pytest.param(
             [good],

@@ -3,6 +3,9 @@ memory the model no longer uses, never reporting a version it did not write."""
 
 from __future__ import annotations
 
+import mmap
+import tempfile
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -144,3 +147,22 @@ def test_targets_that_overlap_in_memory_are_refused_before_a_byte_moves(ray_sess
     source["v"] = source["k"]
     sub = rd.WeightSubscriber({"q": torch.zeros(8, D), "k": tied, "v": tied})
     assert sub.load(pub.publish(3), timeout=30) == 3 and bool((tied == 2.0).all())
+
+
+def test_a_target_in_read_only_memory_is_refused_before_a_byte_moves(ray_session):
+    """A target over a file mapped read-only (torch.frombuffer takes it, with a
+    warning): the load's first store into it would kill the process."""
+    pub = rd.WeightPublisher({"w": torch.full((4, D), 1.0), "b": torch.full((D,), 2.0)}, depth=1)
+    with tempfile.TemporaryFile(dir="/dev/shm") as f:
+        f.truncate(4 * D * 4)
+        mapped = mmap.mmap(f.fileno(), 4 * D * 4, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        read_only = torch.frombuffer(mapped, dtype=torch.float32).view(4, D)
+    bias = torch.zeros(D)
+    sub = rd.WeightSubscriber({"w": read_only, "b": bias})
+    with pytest.raises(
+        rd.WeightSyncError, match=r"'w' is memory this process cannot write.*nothing was written"
+    ):
+        sub.load(pub.publish(1), timeout=30)
+    assert sub.version is None and not bias.any()

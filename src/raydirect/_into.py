@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from raydirect._payload import InlinePayload, Payload, join, state_dict_keys
+from raydirect._process import UNWRITABLE, unwritable
 from raydirect._ranges import overlapping
 from raydirect._tensors import (
     DTYPE_NAMES,
@@ -172,7 +173,7 @@ def match(
     if described is not None:
         matched = _match_described(payload, described)
         if matched is not None:
-            check_disjoint({0: (payload.metas, matched)})
+            _check_memory(payload.metas, matched)
             return matched
     if isinstance(into, (torch.Tensor, np.ndarray)):
         if len(payload.metas) != 1:
@@ -185,8 +186,16 @@ def match(
         found = _match_structure(payload, into)
     matched = MatchedTargets(found)
     matched.addresses = _check_all(payload, found)
-    check_disjoint({0: (payload.metas, matched)})
+    _check_memory(payload.metas, matched)
     return matched
+
+
+def _check_memory(metas: TensorMetas, matched: MatchedTargets) -> None:
+    """No two targets share a byte, and this process can write every one."""
+    check_disjoint({0: (metas, matched)})
+    bad = unwritable(list(matched.values()))
+    if bad is not None:
+        raise ValueError(f"{_where(list(matched)[bad])} {UNWRITABLE}")
 
 
 def check_disjoint(parts: Mapping[int, tuple[TensorMetas, MatchedTargets]]) -> None:

@@ -334,7 +334,11 @@ def _destinations(into: Any) -> list[_Landing]:
     given = list(into) if isinstance(into, (list, tuple)) else [into]
     if not given:
         raise ValueError("into= needs at least one destination")
-    return [_destination(d, i) for i, d in enumerate(given)]
+    landings = [_destination(d, i) for i, d in enumerate(given)]
+    bad = _process.unwritable([landing.tensor for landing in landings])
+    if bad is not None:
+        raise ValueError(f"destination {bad} {_process.UNWRITABLE}")
+    return landings
 
 
 def _destination(value: Any, i: int) -> _Landing:

@@ -50,6 +50,7 @@ from raydirect._layouts import (
     state_of,
 )
 from raydirect._payload import PendingFetch, check_usable_here, get_deferred
+from raydirect._process import UNWRITABLE, unwritable
 from raydirect._ranges import overlapping
 from raydirect.errors import RaydirectError, WeightSyncError
 
@@ -317,6 +318,9 @@ class WeightSubscriber:
         overlap = _overlap(loaded, dests)
         if overlap is not None:
             problems.append(overlap)
+        bad = unwritable(dests)
+        if bad is not None:
+            problems.append(f"{loaded[bad]!r} {UNWRITABLE}")
         rows = (
             np.asarray(tensor, np.int64),
             boxes.pad(start, ndim, 0),

@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from raydirect import _compression as compression
+from raydirect._process import process_vm_readv
 from raydirect._ranges import ByteViews, Ranges
 from raydirect.errors import (
     ProducerLostError,
@@ -62,18 +63,7 @@ _workers: ThreadPoolExecutor | None = None
 _workers_lock = threading.Lock()
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_readv = _libc.process_vm_readv
-# iovec arrays are built with numpy (two uint64 per vector), passed as pointers.
-_readv.argtypes = [
-    ctypes.c_int,
-    ctypes.c_void_p,
-    ctypes.c_ulong,
-    ctypes.c_void_p,
-    ctypes.c_ulong,
-    ctypes.c_ulong,
-]
-_readv.restype = ctypes.c_ssize_t
+_readv = process_vm_readv
 # The same call holding the GIL, for reads of at most _FEW_BYTES in one call
 # (0.5-2.5 ms; Python itself lets a thread hold the GIL for its 5 ms switch
 # interval): a call that lets the GIL go waits up to that interval to have it
