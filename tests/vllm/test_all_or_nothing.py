@@ -270,6 +270,42 @@ def test_a_second_trainer_overlapping_the_first_is_refused(tied: Any) -> None:
     assert _serves(tied, _tied_state(state_of(second_model)), **TIED) < LOGPROB_TOLERANCE
 
 
+def test_a_trainer_refused_on_one_engine_closes_the_sessions_it_opened_on_others(
+    tp2_engine: Any, tied: Any
+) -> None:
+    """A second trainer on two engines while the first's update is open on one of
+    them: its start opens a session on the other engine and is refused on the
+    first's. It closes the session it opened before it raises. Before, that
+    session stayed open until the second's next init, and every other trainer's
+    start there was refused as overlapping."""
+    first_model = random_llama(seed=65, **TIED)
+    other_state = state_of(random_llama(seed=66))
+    other = _trainer([tp2_engine], DictSource(other_state), timeout=60, name="other")
+    second_model = random_llama(seed=67, **TIED)
+    second = _trainer(
+        [tp2_engine, tied], ModuleSource(second_model), timeout=60, name="refused-elsewhere"
+    )
+    first = _trainer([tied], ModuleSource(first_model), timeout=60)
+    client, said = first._round.client, []
+    update = client.update_weights
+
+    def overlapped(info: Any) -> None:
+        update(info)  # the first's phase one is under way: its session is open
+        said.append(_refusal(second.send_weights))
+
+    client.update_weights = overlapped
+    after = _tied_state(_stepped(first_model, 1.1))
+    try:
+        first.send_weights()
+    finally:
+        client.update_weights = update
+    assert len(said) == 1 and "must not overlap" in said[0], said
+    assert _sessions_open(tp2_engine) == [False, False]  # closed before the second raised
+    assert _serves(tied, after, **TIED) < LOGPROB_TOLERANCE and _version(tied) == "1"
+    other.send_weights()  # another trainer's start on the second's other engine
+    assert _serves(tp2_engine, other_state) < LOGPROB_TOLERANCE
+
+
 def _pid_or_none(engine: Any) -> int | None:
     try:
         return ray.get(engine.pid.remote(), timeout=10)

@@ -150,12 +150,12 @@ def _open_sessions(
             return True
         # Another caller's session is open there: finishing it would end that
         # update (its trainer then waited out its deadline and reported a load
-        # that never ran). Sessions this start opened on other engines are
-        # closed by the next update's init.
+        # that never ran). The sessions this start opened elsewhere are closed now.
         problems.append(
             f"{said} (an engine is in another update session: another trainer's update "
             "is in progress there; updates of two trainers must not overlap on one engine)"
         )
+        _close_own_sessions(round_, phase_end)
         return False
     try:
         update["seconds"] = max(phase_end - time.monotonic(), 0.0)
@@ -164,6 +164,20 @@ def _open_sessions(
         round_.suspect = True
         problems.append(_said(exc))
     return True
+
+
+def _close_own_sessions(round_: Round, end: float) -> None:
+    """After a start refused on an engine where another trainer's update is open:
+    closes the sessions this start opened on the other engines, which would
+    refuse every other trainer's start until this one's next update. An init
+    does it (a worker closes an open session that is no undecided update of
+    another trainer), and leaves the busy engines' sessions alone: it refuses
+    this trainer there. Not ``finish_weight_update``, which ends every engine's
+    session, the other trainer's too."""
+    try:
+        _call(round_.client.init_weight_transfer_engine, (round_.trainer,), "init", end)
+    except Exception as exc:  # the busy engines refuse it, as they should
+        log.info("raydirect: init after an overlapping start: %s", _said(exc))
 
 
 def _close_sessions(
