@@ -270,21 +270,66 @@ def test_a_second_trainer_overlapping_the_first_is_refused(tied: Any) -> None:
     assert _serves(tied, _tied_state(state_of(second_model)), **TIED) < LOGPROB_TOLERANCE
 
 
-def test_a_trainer_refused_on_one_engine_closes_the_sessions_it_opened_on_others(
-    tp2_engine: Any, tied: Any
+def _applied(engine: Any) -> list[Any]:
+    """The version each worker of ``engine`` last applied."""
+
+    def read(worker: Any) -> Any:
+        return worker.weight_transfer_engine.last_update.get("version")
+
+    return ray.get(engine.collective_rpc.remote(read), timeout=60)
+
+
+def test_a_second_trainer_overlapping_the_first_on_a_tp2_engine_is_refused(
+    tp2_engine: Any,
 ) -> None:
-    """A second trainer on two engines while the first's update is open on one of
-    them: its start opens a session on the other engine and is refused on the
-    first's. It closes the session it opened before it raises. Before, that
-    session stayed open until the second's next init, and every other trainer's
-    start there was refused as overlapping."""
-    first_model = random_llama(seed=65, **TIED)
+    """The overlap above on a tensor-parallel-2 engine, where a call that both
+    workers refuse leaves the second worker's reply queued in vLLM's executor
+    (every later call then reads the previous one's replies): the first's update
+    lands, the second's is refused naming the overlap, and the second's next
+    update lands on both workers."""
+    first_model, second_model = random_llama(seed=68), random_llama(seed=69)
+    first = _trainer([tp2_engine], ModuleSource(first_model), timeout=60)
+    second = _trainer([tp2_engine], ModuleSource(second_model), timeout=60, name="second-tp2")
+    first.send_weights()
+    client, said = first._round.client, []
+    update = client.update_weights
+
+    def overlapped(info: Any) -> None:
+        update(info)  # the first's phase one is under way: its session is open
+        said.append(_refusal(second.send_weights))
+
+    client.update_weights = overlapped
+    after = _stepped(first_model, 1.1)
+    try:
+        first.send_weights()
+    finally:
+        client.update_weights = update
+    assert len(said) == 1 and "must not overlap" in said[0], said
+    assert _serves(tp2_engine, after) < LOGPROB_TOLERANCE
+    assert _version(tp2_engine) == "2" and _sessions_open(tp2_engine) == [False, False]
+    second.send_weights()  # once the first's update has ended, the second's lands
+    assert _applied(tp2_engine) == [2, 2]  # its version 1 was the refused one
+    assert _serves(tp2_engine, state_of(second_model)) < LOGPROB_TOLERANCE
+
+
+def test_a_trainer_refused_on_one_engine_closes_the_sessions_it_opened_on_others(
+    engine: Any, tied: Any
+) -> None:
+    """A second trainer on two tensor-parallel-1 engines (it starts without an
+    init first) while the first's update is open on one of them: its start opens
+    a session on the other engine and is refused on the first's. It closes the
+    session it opened before it raises. Before, that session stayed open until
+    the second's next init, and every other trainer's start there was refused as
+    overlapping."""
     other_state = state_of(random_llama(seed=66))
-    other = _trainer([tp2_engine], DictSource(other_state), timeout=60, name="other")
-    second_model = random_llama(seed=67, **TIED)
+    other = _trainer([engine], DictSource(other_state), timeout=60, name="other")
+    other.send_weights()
+    second_model, first_model = random_llama(seed=67, **TIED), random_llama(seed=65, **TIED)
+    second_state = _tied_state(state_of(second_model))
     second = _trainer(
-        [tp2_engine, tied], ModuleSource(second_model), timeout=60, name="refused-elsewhere"
+        [engine, tied], DictSource(second_state), timeout=60, name="refused-elsewhere"
     )
+    second.send_weights()
     first = _trainer([tied], ModuleSource(first_model), timeout=60)
     client, said = first._round.client, []
     update = client.update_weights
@@ -300,10 +345,13 @@ def test_a_trainer_refused_on_one_engine_closes_the_sessions_it_opened_on_others
     finally:
         client.update_weights = update
     assert len(said) == 1 and "must not overlap" in said[0], said
-    assert _sessions_open(tp2_engine) == [False, False]  # closed before the second raised
+    assert _sessions_open(engine) == [False]  # closed before the second raised
     assert _serves(tied, after, **TIED) < LOGPROB_TOLERANCE and _version(tied) == "1"
+    assert _serves(engine, second_state) < LOGPROB_TOLERANCE
+    for tensor in other_state.values():
+        tensor.mul_(0.9)
     other.send_weights()  # another trainer's start on the second's other engine
-    assert _serves(tp2_engine, other_state) < LOGPROB_TOLERANCE
+    assert _serves(engine, other_state) < LOGPROB_TOLERANCE
 
 
 def _pid_or_none(engine: Any) -> int | None:

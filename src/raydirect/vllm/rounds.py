@@ -20,7 +20,10 @@ while one is open, finish without one), and its multiprocessing executor then
 leaves the other workers' replies queued for the next call. So rank 0 never
 calls ``update_weights`` after a failed start, and after any failed control call
 it initialises the engines again before the next update: a worker then closes a
-session left open (see ``worker``).
+session left open (see ``worker``). Where an engine has several workers it
+initialises them before every update: a worker's init refuses another trainer's
+update in progress from the engine's last worker alone, where a start would be
+refused by every worker.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ class Round:
     ranks: int  # trainer ranks that publish each version
     dtype: str | None  # what floating-point tensors are published as, if cast
     suspect: bool = False  # a control call failed: an engine may hold an open session
+    widest: int = 0  # most workers of one engine in the last update (0: not known)
 
     @classmethod
     def at_init(cls, client: VLLMWeightSyncClient, mailbox: Any, info: Any, ranks: int) -> Round:
@@ -110,6 +114,7 @@ def drive(
     if not problems:  # else it is an abort already: the workers still receiving drop it
         wait = max(phase_end - time.monotonic(), 0.0)
         first = ray.get(mailbox.reports.remote(version, "received", wait), timeout=wait + _SLACK)
+        round_.widest = max((int(w.get("world", 1)) for w in first["workers"].values()), default=0)
         problems += _unjoined(first)
         problems += _unreported(first, "receive", update.get("seconds", 0.0))
         problems += _reported(first)
@@ -133,7 +138,14 @@ def _open_sessions(
     start was refused because another caller's session is open there (a start
     that fails otherwise on one engine may have opened the others: True then)."""
     client = round_.client
-    if round_.suspect:  # a worker then closes a session a failed call left open
+    # An init first after a failed call (a worker then closes a session the call
+    # left open) and where an engine may have several workers: each of them
+    # refuses a start while another trainer's session is open, and vLLM's
+    # executor reads the first refusal only, leaving the others' replies queued
+    # (every later call on that engine then read the previous call's replies,
+    # the other trainer's finish too). The init refuses the overlap from the
+    # engine's last worker alone.
+    if round_.suspect or round_.widest != 1:
         try:
             _call(client.init_weight_transfer_engine, (round_.trainer,), "init", phase_end)
             round_.suspect = False
