@@ -5,6 +5,7 @@ engines, and every refusal names what went wrong and leaves the engine serving."
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -237,3 +238,30 @@ def test_two_engines_on_a_node_take_one_copy_from_the_trainer(engine: Any, engin
         relayed = [r["relayed_from"] for e in (engine, engine2) for r in _last_updates(e)]
         assert sorted(relayed) == [0, 1], relayed
     trainer.shutdown()
+
+
+def test_a_replayed_finish_does_not_stall_the_engine(engine: Any) -> None:
+    """A finish replayed (vLLM's RPC or HTTP) while a trainer's update is in phase
+    one, undecided: it ends that session without waiting out the decision (the
+    engine runs no step meanwhile)."""
+    model = random_llama(seed=16)
+    trainer = _trainer([engine], ModuleSource(model))
+    trainer.send_weights()
+    client, took = trainer._round.client, []
+    update = client.update_weights
+
+    def replayed(info: Any) -> None:
+        update(info)  # the trainer's session is open, its update undecided
+        started = time.monotonic()
+        RayVLLMWeightSyncClient([engine]).finish_weight_update()
+        took.append(time.monotonic() - started)
+
+    client.update_weights = replayed
+    try:
+        with pytest.raises(rd.WeightSyncError):
+            trainer.send_weights()
+    finally:
+        client.update_weights = update
+    assert took and took[0] < 3.0, took
+    trainer.send_weights()
+    assert _serves(engine, _state(model)) < LOGPROB_TOLERANCE

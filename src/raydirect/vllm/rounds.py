@@ -119,7 +119,7 @@ def drive(
         problems += _unreported(first, "receive", update.get("seconds", 0.0))
         problems += _reported(first)
     commit = not problems
-    mailbox.decide.remote(version, commit)  # each worker asked for it as it joined
+    _decide(mailbox, version, commit)
     if not started:
         return _not_applied(version, problems)
     closed = _close_sessions(round_, version if commit else None, deadline, problems)
@@ -129,6 +129,16 @@ def drive(
     second = ray.get(mailbox.reports.remote(version, "applied", wait), timeout=wait + _SLACK)
     failed = _reported(second) + (_unreported(second, "load", 0.0) if closed else problems)
     return _partly_applied(version, failed) if failed else ""
+
+
+def _decide(mailbox: Any, version: int, commit: bool) -> None:
+    """Records the decision (each worker asked for it as it joined) before any
+    finish: a worker's finish waits for its answer only briefly, so that one
+    nobody decided (a replayed call) does not stall the engine."""
+    try:
+        ray.get(mailbox.decide.remote(version, commit), timeout=_SLACK)
+    except Exception as exc:  # the workers' finish then drops the version
+        log.warning("raydirect: recording the decision on version %s failed: %s", version, exc)
 
 
 def _open_sessions(

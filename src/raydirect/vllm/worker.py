@@ -59,6 +59,7 @@ from raydirect.vllm.staging import Receiver
 log = logging.getLogger(__name__)
 _SHOWN = 5  # refusals listed in one error
 _SLACK = 10.0  # seconds for one mailbox call
+_DECIDED = 1.0  # seconds a finish waits for the decision's answer, already on its way
 
 Layout = tuple[tuple[str, ...], tuple[str, ...], tuple[tuple[int, ...], ...]]
 
@@ -337,13 +338,7 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         pending, self._pending = self._pending, None
         if pending is None:
             return
-        decision = ""
-        try:
-            decision = ray.get(pending.decision, timeout=_SLACK)
-            if not decision:  # the early question timed out: ask again
-                decision = ray.get(self._mailbox.decision.remote(pending.version), timeout=_SLACK)
-        except Exception as exc:
-            log.warning("raydirect: no decision on version %s (%s): dropped", pending.version, exc)
+        decision = _decision(pending)
         if decision != "commit" or not pending.finished.is_set() or pending.error:
             self._previous = pending  # its reads may go on: the next update waits for them
             return
@@ -382,6 +377,25 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         self._receivers.clear()
         self._plans.clear()
         self._mailbox, self._trainer = None, None
+
+
+def _decision(pending: Pending) -> str:
+    """Rank 0's decision on ``pending``'s version, ``""`` if none. Rank 0 has it
+    recorded before it calls finish, so the answer asked at the join is here or
+    on its way; a finish nobody decided (a call replayed over vLLM's RPC or HTTP,
+    an init closing a session) asks the mailbox once and drops the version, where
+    it stalled the engine for 10 s waiting for the answer."""
+    try:
+        try:
+            decision = ray.get(pending.decision, timeout=_DECIDED)
+        except ray.exceptions.GetTimeoutError:
+            decision = ""
+        if not decision:
+            decision = ray.get(pending.mailbox.decision.remote(pending.version), timeout=_SLACK)
+    except Exception as exc:
+        log.warning("raydirect: no decision on version %s (%s): dropped", pending.version, exc)
+        return ""
+    return str(decision)
 
 
 def _holders(receiver: Receiver) -> list[int]:
