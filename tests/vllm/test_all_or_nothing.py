@@ -239,6 +239,24 @@ def _refusal(attempt: Any) -> str:
     return "not refused"
 
 
+def _refusals_during_update(first: Any, *attempts: Any) -> list[str]:
+    """Runs ``first``'s next update and makes each attempt while its phase one is
+    under way (its vLLM session open); returns what each attempt was refused with."""
+    client, said = first._round.client, []
+    update = client.update_weights
+
+    def overlapped(info: Any) -> None:
+        update(info)
+        said.extend(_refusal(attempt) for attempt in attempts)
+
+    client.update_weights = overlapped
+    try:
+        first.send_weights()
+    finally:
+        client.update_weights = update
+    return said
+
+
 def test_a_second_trainer_overlapping_the_first_is_refused(tied: Any) -> None:
     """While the first trainer's update is in phase one (its vLLM session open), a
     second trainer's update and a third one's init are refused, naming the
@@ -249,20 +267,12 @@ def test_a_second_trainer_overlapping_the_first_is_refused(tied: Any) -> None:
     first = _trainer([tied], ModuleSource(first_model), timeout=60)
     second = _trainer([tied], ModuleSource(second_model), timeout=60, name="second")
     first.send_weights()
-    client, said = first._round.client, []
-    update = client.update_weights
-
-    def overlapped(info: Any) -> None:
-        update(info)  # the first's phase one is under way: its session is open
-        said.append(_refusal(second.send_weights))
-        said.append(_refusal(lambda: _trainer([tied], ModuleSource(second_model), name="third")))
-
-    client.update_weights = overlapped
     after = _tied_state(_stepped(first_model, 1.1))
-    try:
-        first.send_weights()
-    finally:
-        client.update_weights = update
+    said = _refusals_during_update(
+        first,
+        second.send_weights,
+        lambda: _trainer([tied], ModuleSource(second_model), name="third"),
+    )
     assert len(said) == 2 and all("must not overlap" in s for s in said), said
     assert _serves(tied, after, **TIED) < LOGPROB_TOLERANCE
     assert _version(tied) == "2" and _sessions_open(tied) == [False]
@@ -291,19 +301,8 @@ def test_a_second_trainer_overlapping_the_first_on_a_tp2_engine_is_refused(
     first = _trainer([tp2_engine], ModuleSource(first_model), timeout=60)
     second = _trainer([tp2_engine], ModuleSource(second_model), timeout=60, name="second-tp2")
     first.send_weights()
-    client, said = first._round.client, []
-    update = client.update_weights
-
-    def overlapped(info: Any) -> None:
-        update(info)  # the first's phase one is under way: its session is open
-        said.append(_refusal(second.send_weights))
-
-    client.update_weights = overlapped
     after = _stepped(first_model, 1.1)
-    try:
-        first.send_weights()
-    finally:
-        client.update_weights = update
+    said = _refusals_during_update(first, second.send_weights)
     assert len(said) == 1 and "must not overlap" in said[0], said
     assert _serves(tp2_engine, after) < LOGPROB_TOLERANCE
     assert _version(tp2_engine) == "2" and _sessions_open(tp2_engine) == [False, False]
@@ -331,19 +330,8 @@ def test_a_trainer_refused_on_one_engine_closes_the_sessions_it_opened_on_others
     )
     second.send_weights()
     first = _trainer([tied], ModuleSource(first_model), timeout=60)
-    client, said = first._round.client, []
-    update = client.update_weights
-
-    def overlapped(info: Any) -> None:
-        update(info)  # the first's phase one is under way: its session is open
-        said.append(_refusal(second.send_weights))
-
-    client.update_weights = overlapped
     after = _tied_state(_stepped(first_model, 1.1))
-    try:
-        first.send_weights()
-    finally:
-        client.update_weights = update
+    said = _refusals_during_update(first, second.send_weights)
     assert len(said) == 1 and "must not overlap" in said[0], said
     assert _sessions_open(engine) == [False]  # closed before the second raised
     assert _serves(tied, after, **TIED) < LOGPROB_TOLERANCE and _version(tied) == "1"
