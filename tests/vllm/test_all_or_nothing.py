@@ -239,21 +239,26 @@ def _refusal(attempt: Any) -> str:
     return "not refused"
 
 
-def _refusals_during_update(first: Any, *attempts: Any) -> list[str]:
-    """Runs ``first``'s next update and makes each attempt while its phase one is
-    under way (its vLLM session open); returns what each attempt was refused with."""
+def _refusals_during_update(first: Any, *attempts: Any, at: str = "update_weights") -> list[str]:
+    """Runs ``first``'s next update and makes each attempt at one point of it:
+    right after its client call ``at`` returned (its vLLM session open), or for
+    ``finish_weight_update`` right before that call (decided, the session still
+    open); returns what each attempt was refused with."""
     client, said = first._round.client, []
-    update = client.update_weights
+    call = getattr(client, at)
 
-    def overlapped(info: Any) -> None:
-        update(info)
+    def overlapped(*args: Any) -> None:
+        if at != "finish_weight_update":
+            call(*args)
         said.extend(_refusal(attempt) for attempt in attempts)
+        if at == "finish_weight_update":
+            call(*args)
 
-    client.update_weights = overlapped
+    setattr(client, at, overlapped)
     try:
         first.send_weights()
     finally:
-        client.update_weights = update
+        setattr(client, at, call)
     return said
 
 
@@ -289,20 +294,28 @@ def _applied(engine: Any) -> list[Any]:
     return ray.get(engine.collective_rpc.remote(read), timeout=60)
 
 
+@pytest.mark.parametrize(
+    "at",
+    ["start_weight_update", "update_weights", "finish_weight_update"],
+    ids=["after-its-start", "in-phase-one", "before-its-finish"],
+)
 def test_a_second_trainer_overlapping_the_first_on_a_tp2_engine_is_refused(
-    tp2_engine: Any,
+    tp2_engine: Any, at: str
 ) -> None:
     """The overlap above on a tensor-parallel-2 engine, where a call that both
     workers refuse leaves the second worker's reply queued in vLLM's executor
-    (every later call then reads the previous one's replies): the first's update
-    lands, the second's is refused naming the overlap, and the second's next
-    update lands on both workers."""
+    (every later call then reads the previous one's replies), at each point of
+    the first's update: the first's update lands, the second's is refused naming
+    the overlap, and the second's next update lands on both workers. Before, an
+    init right after the first's start, or between its decision and its finish,
+    closed the first's session, and the first's next call failed on both
+    workers."""
     first_model, second_model = random_llama(seed=68), random_llama(seed=69)
     first = _trainer([tp2_engine], ModuleSource(first_model), timeout=60)
     second = _trainer([tp2_engine], ModuleSource(second_model), timeout=60, name="second-tp2")
     first.send_weights()
     after = _stepped(first_model, 1.1)
-    said = _refusals_during_update(first, second.send_weights)
+    said = _refusals_during_update(first, second.send_weights, at=at)
     assert len(said) == 1 and "must not overlap" in said[0], said
     assert _serves(tp2_engine, after) < LOGPROB_TOLERANCE
     assert _version(tp2_engine) == "2" and _sessions_open(tp2_engine) == [False, False]

@@ -243,7 +243,9 @@ def test_two_engines_on_a_node_take_one_copy_from_the_trainer(engine: Any, engin
 def test_a_replayed_finish_does_not_stall_the_engine(engine: Any) -> None:
     """A finish replayed (vLLM's RPC or HTTP) while a trainer's update is in phase
     one, undecided: it ends that session without waiting out the decision (the
-    engine runs no step meanwhile)."""
+    engine runs no step meanwhile), and the trainer's update says it was not
+    applied, naming why. Before, the trainer waited out its deadline for loads
+    that never came, then said the engine held a mix of two versions."""
     model = random_llama(seed=16)
     trainer = _trainer([engine], ModuleSource(model))
     trainer.send_weights()
@@ -258,10 +260,14 @@ def test_a_replayed_finish_does_not_stall_the_engine(engine: Any) -> None:
 
     client.update_weights = replayed
     try:
-        with pytest.raises(rd.WeightSyncError):
+        with pytest.raises(rd.WeightSyncError, match="version 2 was not applied") as raised:
             trainer.send_weights()
     finally:
         client.update_weights = update
     assert took and took[0] < 3.0, took
+    said = str(raised.value)
+    assert "dropped, not loaded: its update session was closed before" in said, said
+    assert "hold a mix" not in said, said
+    assert ray.get(engine.get_weight_version.remote(), timeout=60) == "1"
     trainer.send_weights()
     assert _serves(engine, _state(model)) < LOGPROB_TOLERANCE

@@ -101,3 +101,28 @@ def test_a_trainer_made_again_under_its_name_replaces_its_mailbox(ray_session: N
         assert ray.get(boxes[-1].ranks.remote(), timeout=SOON) == 1
     assert ray.get_actor(name)._actor_id == boxes[-1]._actor_id
     ray.kill(boxes[-1])
+
+
+def test_an_update_is_under_way_from_its_first_handle_to_its_end(ray_session: None) -> None:
+    """What an engine's init asks before another trainer takes the engine: the
+    version under way from rank 0's first handle to its ``done`` (after its last
+    call to the engines), none once it ended or failed, and none once it is older
+    than the trainer's timeout (its trainer stopped in the middle)."""
+    box = RaydirectMailbox.remote(1, 5.0)  # type: ignore[attr-defined]
+    try:
+        assert ray.get(box.updating.remote(), timeout=SOON) == 0
+        ray.get(box.put.remote(1, 0, ["handle"]), timeout=SOON)
+        ray.get(box.decide.remote(1, True), timeout=SOON)  # decided, not yet finished
+        assert ray.get(box.updating.remote(), timeout=SOON) == 1
+        ray.get(box.done.remote(1, ""), timeout=SOON)
+        assert ray.get(box.updating.remote(), timeout=SOON) == 0
+        ray.get(box.put.remote(2, 0, ["handle"]), timeout=SOON)
+        ray.get(box.decide.remote(2, False), timeout=SOON)  # an abort still closes sessions
+        assert ray.get(box.updating.remote(), timeout=SOON) == 2
+        ray.get(box.fail.remote(2, 0, "its source raised"), timeout=SOON)
+        assert ray.get(box.updating.remote(), timeout=SOON) == 0
+        ray.get(box.put.remote(3, 0, ["handle"]), timeout=SOON)  # and never ended
+        assert ray.get(box.updating.remote(), timeout=SOON) == 3
+        wait_for(lambda: ray.get(box.updating.remote()) == 0, timeout=30, what="the timeout")
+    finally:
+        ray.kill(box)

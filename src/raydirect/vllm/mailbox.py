@@ -38,6 +38,9 @@ _WATCH = 0.5  # how often the alive tokens are looked at while someone waits
 _CHECK = 2.0  # how long one look waits for a token not yet fetched
 _KEPT = 8  # versions whose records are kept after a newer one
 WAITS = 100_000  # waits at once: each is a sleeping coroutine, not a thread
+# How a worker's phase-two report begins when it loaded nothing (its session
+# was closed before rank 0 decided): rank 0 then knows no engine loaded it.
+DROPPED = "dropped, not loaded: "
 
 
 async def _fetched(ref: ray.ObjectRef) -> Any:
@@ -96,6 +99,7 @@ class _Version:
     applied: dict[str, str] = field(default_factory=dict)  # id -> "" or why not
     decision: str = ""  # "commit" or "abort", once rank 0 has decided
     outcome: str | None = None  # "" applied, else the error; None while running
+    put_at: float = 0.0  # time.monotonic() of its first handle: 0 if none yet
     relays: dict[str, Any] = field(default_factory=dict)  # key -> relay handle, "" failed
 
 
@@ -104,8 +108,9 @@ class RaydirectMailbox:
     """Versions' handles by rank, the workers taking part, their reports, rank
     0's decision and each version's outcome (see the module docstring)."""
 
-    def __init__(self, ranks: int) -> None:
+    def __init__(self, ranks: int, timeout: float = 300.0) -> None:
         self._ranks = ranks
+        self._timeout = timeout  # every update ends within it (the trainer's init info)
         self._versions: dict[int, _Version] = {}
         self._tokens: dict[int, ray.ObjectRef] = {}
         self._dead: set[int] = set()
@@ -146,6 +151,7 @@ class RaydirectMailbox:
         if record.failed or record.decision == "abort" or record.outcome is not None:
             return  # ended already: nobody may read it, its rank must not wait for readers
         record.handles[rank] = handle[0]
+        record.put_at = record.put_at or time.monotonic()
         self._last = max(self._last, version)
         for record in self._older(version):  # a newer version supersedes them
             record.handles.clear()
@@ -220,6 +226,23 @@ class RaydirectMailbox:
         """``"commit"``, ``"abort"``, or ``""`` if rank 0 has not decided."""
         record = self._versions.get(version)
         return record.decision if record is not None else ""
+
+    def updating(self) -> int:
+        """The version whose update is under way (handles put, its end not yet
+        said by rank 0), or 0: an engine's init by another trainer is refused
+        while it is, from before its first vLLM call to after its last. One
+        older than the trainer's timeout is not: every update ends within it."""
+        now = time.monotonic()
+        with self._lock:
+            live = [
+                v
+                for v, r in self._versions.items()
+                if r.put_at
+                and r.outcome is None
+                and not r.failed
+                and now - r.put_at < self._timeout
+            ]
+        return max(live, default=0)
 
     async def dead_ranks(self) -> list[int]:
         """The ranks whose alive token Ray has lost: their process died."""

@@ -40,6 +40,7 @@ import ray
 from vllm.distributed.weight_transfer.base import ParamMeta, VLLMWeightSyncClient
 
 import raydirect as rd
+from raydirect.vllm.mailbox import DROPPED
 
 log = logging.getLogger(__name__)
 _SHOWN = 5  # problems listed in one message
@@ -127,6 +128,8 @@ def drive(
         return _not_applied(version, problems)
     wait = max(deadline - time.monotonic(), 0.0)
     second = ray.get(mailbox.reports.remote(version, "applied", wait), timeout=wait + _SLACK)
+    if not closed and _nothing_loaded(second):
+        return _not_applied(version, problems + _reported(second))
     failed = _reported(second) + (_unreported(second, "load", 0.0) if closed else problems)
     return _partly_applied(version, failed) if failed else ""
 
@@ -192,8 +195,8 @@ def _close_own_sessions(round_: Round, end: float) -> None:
     """After a start refused on an engine where another trainer's update is open:
     closes the sessions this start opened on the other engines, which would
     refuse every other trainer's start until this one's next update. An init
-    does it (a worker closes an open session that is no undecided update of
-    another trainer), and leaves the busy engines' sessions alone: it refuses
+    does it (a worker closes an open session unless another trainer's update is
+    under way), and leaves the busy engines' sessions alone: it refuses
     this trainer there. Not ``finish_weight_update``, which ends every engine's
     session, the other trainer's too."""
     try:
@@ -297,6 +300,15 @@ def _unreported(reports: dict[str, Any], phase: str, seconds: float) -> list[str
         f"{line.rstrip(': ')} did not finish the {phase} phase{within}"
         for line in _grouped(reports["workers"], missing)
     ]
+
+
+def _nothing_loaded(reports: dict[str, Any]) -> bool:
+    """Every joined worker said it loaded nothing: a finish that was not the
+    trainer's closed its session before the decision (see ``worker``)."""
+    said = reports["said"]
+    return said.keys() >= reports["workers"].keys() and all(
+        error.startswith(DROPPED) for error in said.values()
+    )
 
 
 def _listed(problems: list[str]) -> str:

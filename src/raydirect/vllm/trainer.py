@@ -78,7 +78,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _mailbox_at_rank0(name: str, ranks: int) -> Any:
+def _mailbox_at_rank0(name: str, ranks: int, timeout: float = 300.0) -> Any:
     """Rank 0's mailbox, made fresh: one left by an earlier trainer of the same
     name is replaced (its versions are of no use to this one). Rank 0 owns it, so
     it goes when rank 0 does: nothing is left behind. ``ray.kill`` returns before
@@ -89,7 +89,7 @@ def _mailbox_at_rank0(name: str, ranks: int) -> Any:
         with contextlib.suppress(ValueError):  # none there (any more)
             ray.kill(ray.get_actor(name))
         with contextlib.suppress(ray.exceptions.ActorAlreadyExistsError):  # not let go yet
-            return RaydirectMailbox.options(name=name).remote(ranks)  # type: ignore[attr-defined]
+            return RaydirectMailbox.options(name=name).remote(ranks, timeout)  # type: ignore[attr-defined]
         if time.monotonic() > deadline:
             raise rd.WeightSyncError(
                 f"the mailbox {name!r} of an earlier trainer still holds its name "
@@ -151,7 +151,7 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
         _ray_ready()
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)
         if engine.is_sender:
-            engine.mailbox = _mailbox_at_rank0(init_info.name, engine.ranks)
+            engine.mailbox = _mailbox_at_rank0(init_info.name, engine.ranks, init_info.timeout)
             ray.get(engine.mailbox.ranks.remote())  # it is up before the others look
         _barrier()
         if not engine.is_sender:
@@ -226,12 +226,14 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
         other ranks through the mailbox."""
         assert self.source is not None and self._round is not None
         devices = {_local(t).device.type for t in self._state.values()}
+        error = f"version {version} was not applied: the update was interrupted"
         try:
             error = drive(self._round, version, self.source.metadata(), devices, deadline)
         except Exception as exc:  # the mailbox or Ray itself failed: say so, everywhere
             error = f"version {version} was not applied: {type(exc).__name__}: {exc}"
-        with contextlib.suppress(Exception):  # the other ranks wait for it, rank 0 need not
-            self.mailbox.done.remote(version, error)
+        finally:  # the other ranks wait for it, and engines refuse other trainers until it
+            with contextlib.suppress(Exception):
+                self.mailbox.done.remote(version, error)
         return error
 
     def _outcome(self, version: int, deadline: float) -> str:

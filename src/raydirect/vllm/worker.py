@@ -53,6 +53,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 import raydirect as rd
 from raydirect.vllm import cluster
 from raydirect.vllm.landing import Survey, survey, unread_problems
+from raydirect.vllm.mailbox import DROPPED
 from raydirect.vllm.receiving import Pending
 from raydirect.vllm.staging import Receiver
 
@@ -179,22 +180,24 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         self._trainer = trainer
 
     def _busy_for(self, name: str) -> str | None:
-        """Why trainer ``name`` may not take this engine now: another trainer
-        that is alive is in the middle of an update here (its session is not
-        stale: closing it would end that update before its decision)."""
-        pending, trainer = self._pending, self._trainer
-        if not self._open or pending is None or trainer is None or trainer.name == name:
+        """Why trainer ``name`` may not take this engine now: the trainer that
+        holds it, alive, is in the middle of an update, from before its first
+        call to the engines to after its last (its mailbox says so). Looking only
+        at this engine's session missed an init between that trainer's start
+        and its update_weights, or between its decision and its finish: the init
+        closed the session, and that trainer's next call failed on every worker."""
+        trainer, mailbox = self._trainer, self._mailbox
+        if trainer is None or trainer.name == name or mailbox is None:
             return None
         try:
-            ended = pending.mailbox.decided.remote(pending.version, 0.0)  # or its outcome known
-            decided = ray.get(ended, timeout=_SLACK)
-        except Exception:  # its trainer is gone: the session is stale
+            version = ray.get(mailbox.updating.remote(), timeout=_SLACK)
+        except Exception:  # its trainer is gone: a session it left open is stale
             return None
-        if decided:
+        if not version:
             return None
         return (
             f"this engine is in the middle of trainer {trainer.name!r}'s update of version "
-            f"{pending.version}: updates of two trainers must not overlap on one engine; "
+            f"{version}: updates of two trainers must not overlap on one engine; "
             "init again once that update has ended"
         )
 
@@ -341,6 +344,10 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         decision = _decision(pending)
         if decision != "commit" or not pending.finished.is_set() or pending.error:
             self._previous = pending  # its reads may go on: the next update waits for them
+            if not decision:  # rank 0 may commit yet, and wait for this worker's load
+                why = "its update session was closed before the trainer decided (a "
+                why += "finish_weight_update that was not the trainer's, e.g. replayed)"
+                pending.mailbox.report.remote(pending.version, self._id, "applied", DROPPED + why)
             return
         error = ""
         started = time.perf_counter()
