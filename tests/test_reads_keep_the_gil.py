@@ -31,6 +31,7 @@ from actors import Producer
 cloudpickle.register_pickle_by_value(region_actors)
 
 READS = 20
+ALLOWED = 5  # reads of READS that may move the count (see _keeps_the_gil)
 
 
 @pytest.fixture
@@ -40,7 +41,7 @@ def owner(ray_session):
     ray.kill(o)
 
 
-def _moves_during(read: Callable[[], object], between: Callable[[], object] = list) -> list[int]:
+def _moves_during(read: Callable[[], object], between: Callable[[], object]) -> list[int]:
     """How far a thread counting in Python got during each of ``READS`` calls of
     ``read``, with a switch interval of half a second: 0 where ``read`` never let
     the GIL go. ``between`` runs before each, not counted."""
@@ -68,6 +69,23 @@ def _moves_during(read: Callable[[], object], between: Callable[[], object] = li
         counter.join(30)
 
 
+def _keeps_the_gil(read: Callable[[], object], between: Callable[[], object] = list) -> None:
+    """Fails unless, in one of 3 tries, at most ``ALLOWED`` of ``READS`` reads let
+    the GIL go: a read that lets go moves the count by millions, and broken,
+    every read of every try did. Allowed: a switch forced after half a second of
+    holding, and a rare wait on a lock another thread of the process holds (the
+    read notices', which each read posts to). With another process at full CPU
+    beside it, 3-4 reads of 20 were forced so; on a loaded CI machine, now and
+    then 6, hence the tries."""
+    tries = []
+    for _ in range(3):
+        moved = _moves_during(read, between)
+        tries.append(moved)
+        if sum(m > 0 for m in moved) <= ALLOWED:
+            return
+    raise AssertionError(f"reads let the GIL go, in each of 3 tries: {tries}")
+
+
 @pytest.mark.parametrize("order", ["in order", "out of order"])
 def test_a_region_read_never_lets_the_gil_go(owner, order):
     handle = ray.get(owner.handle.remote())
@@ -75,12 +93,7 @@ def test_a_region_read_never_lets_the_gil_go(owner, order):
     rows = kv_rows(blocks, list(range(8)))
     dests = [torch.zeros(BLOCKS * BLOCK_BYTES // 4) for _ in range(LAYERS)]
     rd.read_ranges(handle, rows, into=dests, timeout=30)  # connects, caches the handle
-    moved = _moves_during(lambda: rd.read_ranges(handle, rows, into=dests, timeout=30))
-    # A read that let go once shows a move of millions (before, most reads did).
-    # Allowed: a switch forced after half a second of holding, and a rare wait
-    # on a lock another thread of the process holds (the read notices'). With
-    # another process at full CPU beside it, 3-4 reads of 20 were forced so.
-    assert sorted(moved)[-6] == 0, moved
+    _keeps_the_gil(lambda: rd.read_ranges(handle, rows, into=dests, timeout=30))
     for got, want in zip(dests, expected(blocks, list(range(8))), strict=True):
         assert torch.equal(got.view(BLOCKS, -1)[:8], want.view(BLOCKS, -1)[:8])
 
@@ -104,11 +117,7 @@ def test_an_object_of_many_tensors_is_rebuilt_without_letting_the_gil_go(ray_ses
         def drop_the_one_before() -> None:
             del kept[:-1]
 
-        moved = _moves_during(read, between=drop_the_one_before)
-        # Broken, every read moves the count. Allowed, as for regions, a rare
-        # wait on a lock of another thread of the process (the read notices',
-        # which each read posts to); on a loaded CI machine 3 reads of 20 did.
-        assert sorted(moved)[-6] == 0, moved
+        _keeps_the_gil(read, between=drop_the_one_before)
         value = kept[-1]
         assert value["31.weight"].dtype == torch.float16
         assert value["31.weight"].shape == (128, 128)
