@@ -97,7 +97,7 @@ def test_a_trainer_made_again_under_its_name_replaces_its_mailbox(ray_session: N
     name = "mailbox-made-again"
     boxes = []
     for _ in range(3):  # each a new process importing vLLM: about 6 s here
-        boxes.append(_mailbox_at_rank0(name, 1))
+        boxes.append(_mailbox_at_rank0(name, 1, LONG))
         assert ray.get(boxes[-1].ranks.remote(), timeout=SOON) == 1
     assert ray.get_actor(name)._actor_id == boxes[-1]._actor_id
     ray.kill(boxes[-1])

@@ -78,7 +78,7 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def _mailbox_at_rank0(name: str, ranks: int, timeout: float = 300.0) -> Any:
+def _mailbox_at_rank0(name: str, ranks: int, timeout: float) -> Any:
     """Rank 0's mailbox, made fresh: one left by an earlier trainer of the same
     name is replaced (its versions are of no use to this one). Rank 0 owns it, so
     it goes when rank 0 does: nothing is left behind. ``ray.kill`` returns before

@@ -345,9 +345,11 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         if decision != "commit" or not pending.finished.is_set() or pending.error:
             self._previous = pending  # its reads may go on: the next update waits for them
             if not decision:  # rank 0 may commit yet, and wait for this worker's load
-                why = "its update session was closed before the trainer decided (a "
-                why += "finish_weight_update that was not the trainer's, e.g. replayed)"
-                pending.mailbox.report.remote(pending.version, self._id, "applied", DROPPED + why)
+                why = (
+                    f"{DROPPED}its update session was closed before the trainer decided "
+                    "(a finish_weight_update that was not the trainer's, e.g. replayed)"
+                )
+                pending.mailbox.report.remote(pending.version, self._id, "applied", why)
             return
         error = ""
         started = time.perf_counter()
