@@ -48,6 +48,9 @@ def _targets(**changes):
         (torch.empty(3), "the object holds 11 tensors"),
         ([torch.empty(3)], "fits neither form: the value is a dict"),
         ([torch.empty(3)] * 12, "or a flat list of 11 tensors"),
+        (_targets(c64=torch.empty(64, 32, dtype=torch.complex64).conj()), "lazily conjugated"),
+        # A 0-d float view with the negative bit, made with public calls only.
+        (_targets(zero_d=torch.zeros(1, dtype=torch.complex64).conj().imag[0]), "negated view"),
     ],
     ids=[
         "shape",
@@ -58,6 +61,8 @@ def _targets(**changes):
         "one-tensor",
         "list-of-1",
         "list-of-12",
+        "conjugated-view",
+        "negated-view",
     ],
 )
 def test_mismatching_targets_are_refused_before_any_byte_moves(pair, targets, expected):

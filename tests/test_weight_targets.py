@@ -166,3 +166,23 @@ def test_a_target_in_read_only_memory_is_refused_before_a_byte_moves(ray_session
     ):
         sub.load(pub.publish(1), timeout=30)
     assert sub.version is None and not bias.any()
+
+
+@pytest.mark.parametrize("view", ["conjugated", "negated"])
+def test_a_lazily_conjugated_or_negated_target_is_refused_before_a_byte_moves(ray_session, view):
+    """Such a view's bytes are not the values it shows: bytes written into it read
+    back conjugated or negated."""
+    weight = torch.full((4, D), 1 + 2j, dtype=torch.complex64)
+    pub = rd.WeightPublisher({"w": weight, "scale": torch.tensor(3.0)}, depth=1)
+    backing = torch.zeros(4, D, dtype=torch.complex64)
+    if view == "conjugated":
+        target = {"w": backing.conj(), "scale": torch.zeros(())}
+    else:  # a 0-d float view with the negative bit, made with public calls only
+        scale = torch.zeros(1, dtype=torch.complex64)
+        target = {"w": backing, "scale": scale.conj().imag[0]}
+    sub = rd.WeightSubscriber(target)
+    with pytest.raises(
+        rd.WeightSyncError, match=r"lazily conjugated or negated view.*nothing was written"
+    ):
+        sub.load(pub.publish(1), timeout=30)
+    assert sub.version is None and not backing.any()

@@ -41,6 +41,7 @@ from raydirect._ranges import overlapping
 from raydirect._tensors import (
     DTYPE_NAMES,
     KIND_TORCH,
+    LAZY_VIEW,
     TensorMeta,
     TensorMetas,
     device_types,
@@ -50,6 +51,7 @@ from raydirect._tensors import (
 
 log = logging.getLogger("raydirect")
 _HINTS_KEPT = 4096
+_COMPLEX = frozenset(name for dtype, name in DTYPE_NAMES.items() if dtype.is_complex)
 _hints: OrderedDict[bytes, Any] = OrderedDict()
 _hints_lock = threading.Lock()
 
@@ -112,12 +114,17 @@ def _described(keys: tuple[str, ...], tensors: list[Any]) -> DescribedTargets | 
 
 def _target_columns(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
     """(shapes, dtypes, devices, addresses) of ``tensors``, one C comprehension
-    each, or None when one is not contiguous."""
-    if not all([t.is_contiguous() for t in tensors]):
+    each, or None when one is not contiguous or is a lazily conjugated or negated
+    view. Only a complex tensor can be conjugated: asking the others costs 0.4 ms
+    per 5,000 targets."""
+    if not all([t.is_contiguous() for t in tensors]) or any([t.is_neg() for t in tensors]):
+        return None
+    dtypes = [DTYPE_NAMES[t.dtype] for t in tensors]
+    if not _COMPLEX.isdisjoint(dtypes) and any([t.is_conj() for t in tensors]):
         return None
     return (
         [t.shape for t in tensors],
-        [DTYPE_NAMES[t.dtype] for t in tensors],
+        dtypes,
         device_types(tensors),
         [t.data_ptr() for t in tensors],
     )
@@ -359,6 +366,8 @@ def _check(target: Any, meta: TensorMeta, index: int) -> None:
         raise ValueError(
             f"{_where(index)} is on {view.device}; the tensor that arrives has {_expected(meta)}"
         )
+    if view.is_conj() or view.is_neg():
+        raise ValueError(f"{_where(index)} {LAZY_VIEW}")
 
 
 def _view_of(target: Any) -> tuple[Any, ...]:

@@ -40,6 +40,7 @@ from raydirect._ranges import ByteViews, Ranges
 from raydirect._region_handle import RegionHandle
 from raydirect._region_rows import checked_rows
 from raydirect._store import store
+from raydirect._tensors import LAZY_VIEW
 from raydirect.errors import FetchTimeoutError, ProducerLostError, TransferError
 from raydirect.transports.base import WriteGate, metadata_classes
 from raydirect.transports.registry import AUTO, check_name, transport_class
@@ -373,11 +374,8 @@ def _destination(value: Any, i: int) -> _Landing:
         )
     if value.layout != torch.strided or value.is_quantized or not value.is_contiguous():
         raise ValueError(f"destination {i} is not contiguous: rows land at byte offsets in it")
-    if value.is_conj() or value.is_neg():  # its bytes are not the values it shows
-        raise ValueError(
-            f"destination {i} is a lazily conjugated or negated view: read into "
-            "t.resolve_conj() / t.resolve_neg() (a tensor of its own), then use it"
-        )
+    if value.is_conj() or value.is_neg():
+        raise ValueError(f"destination {i} {LAZY_VIEW}")
     return _Landing(value, flat=False)
 
 

@@ -52,6 +52,7 @@ from raydirect._layouts import (
 from raydirect._payload import PendingFetch, check_usable_here, get_deferred
 from raydirect._process import UNWRITABLE, unwritable
 from raydirect._ranges import overlapping
+from raydirect._tensors import LAZY_VIEW
 from raydirect.errors import RaydirectError, WeightSyncError
 
 Shard = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
@@ -361,6 +362,8 @@ class WeightSubscriber:
             raise WeightSyncError(f"{name!r}: {refused}")
         if not local.is_contiguous():
             raise WeightSyncError(f"{name!r}: the target is not contiguous")
+        if local.is_conj() or local.is_neg():
+            raise WeightSyncError(f"{name!r}: the target {LAZY_VIEW}")
         return box
 
 
