@@ -51,6 +51,9 @@ def _targets(**changes):
         (_targets(c64=torch.empty(64, 32, dtype=torch.complex64).conj()), "lazily conjugated"),
         # A 0-d float view with the negative bit, made with public calls only.
         (_targets(zero_d=torch.zeros(1, dtype=torch.complex64).conj().imag[0]), "negated view"),
+        (_targets(f32=torch.zeros(64, 32).to_sparse_csr()), "is a sparse_csr tensor"),
+        (_targets(f32=torch.zeros(64, 32).to_sparse()), "is a sparse_coo tensor"),
+        (_targets(f32=torch.nested.nested_tensor([torch.zeros(32)] * 64)), "is a nested tensor"),
     ],
     ids=[
         "shape",
@@ -63,6 +66,9 @@ def _targets(**changes):
         "list-of-12",
         "conjugated-view",
         "negated-view",
+        "sparse-csr",
+        "sparse-coo",
+        "nested",
     ],
 )
 def test_mismatching_targets_are_refused_before_any_byte_moves(pair, targets, expected):

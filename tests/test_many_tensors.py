@@ -238,9 +238,17 @@ def test_described_targets_that_do_not_fit_get_the_checks_that_name_them():
         match(payload, shared)
     # Not a dict of plain contiguous tensors: not described, walked as before.
     assert describe_targets([torch.empty(3)]) is None
-    assert describe_targets({"a": torch.nn.Parameter(torch.empty(3))}) is None
     assert describe_targets({"a": torch.empty(4, 2).t()}) is None
     assert describe_targets({"a": None}) is None
+    assert describe_targets({"a": torch.empty(2, dtype=torch.complex64).conj()}) is None
+    assert describe_targets({"a": torch.nested.nested_tensor([torch.empty(2)])}) is None
+    assert describe_targets({"a": torch.empty(2, 2).to_sparse_csr()}) is None
+    # dict(model.named_parameters()): described, and the parameters themselves land
+    params = {k: torch.nn.Parameter(torch.empty_like(t)) for k, t in state.items()}
+    described = describe_targets(params)
+    assert described is not None
+    found = match(payload, params, described)
+    assert all(found[i] is params[k] for i, k in enumerate(state))
 
 
 def test_the_collector_is_held_off_while_any_holder_is_inside():

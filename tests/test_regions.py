@@ -411,6 +411,16 @@ def _bad_cases() -> list:
         pytest.param(
             [good], torch.zeros(end // 4)._neg_view(), ValueError, "resolve_neg", id="neg-dest"
         ),
+        pytest.param(
+            [good],
+            torch.nested.nested_tensor([torch.zeros(end // 8)] * 2),
+            ValueError,
+            "is a nested tensor",
+            id="nested-dest",
+        ),
+        pytest.param(
+            [good], torch.zeros(end // 4).to_sparse(), ValueError, "sparse_coo", id="sparse-dest"
+        ),
     ]
 
 

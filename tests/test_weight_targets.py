@@ -186,3 +186,25 @@ def test_a_lazily_conjugated_or_negated_target_is_refused_before_a_byte_moves(ra
     ):
         sub.load(pub.publish(1), timeout=30)
     assert sub.version is None and not backing.any()
+
+
+@pytest.mark.parametrize("kind", ["sparse_csr", "nested"])
+def test_a_sparse_or_nested_target_is_refused_by_name(ray_session, kind):
+    """Torch's own error for such a target named no tensor ("Sparse CSR tensors do
+    not have is_contiguous")."""
+    pub = rd.WeightPublisher({"w": torch.ones(4, D), "b": torch.ones(D)}, depth=1)
+    bias = torch.zeros(D)
+    odd: torch.Tensor
+    if kind == "sparse_csr":
+        odd = torch.zeros(4, D).to_sparse_csr()
+    else:
+        odd = torch.nested.nested_tensor([torch.zeros(D)] * 4)
+    with pytest.raises(rd.WeightSyncError, match=rf"'w': the target is a {kind} tensor"):
+        rd.WeightSubscriber({"w": odd, "b": bias})
+    target = {"w": torch.zeros(4, D), "b": bias}
+    sub = rd.WeightSubscriber(target)
+    assert sub.load(pub.publish(1), timeout=30) == 1
+    target["w"] = odd  # swapped in between loads: the next load reads the target again
+    with pytest.raises(rd.WeightSyncError, match=rf"'w': the target is a {kind} tensor"):
+        sub.load(pub.publish(2), timeout=30)
+    assert sub.version == 1

@@ -20,15 +20,8 @@ from raydirect import _ray
 from raydirect._caller_leases import FREED_KW, TOKEN_KW, decorate, ledger
 from raydirect._collector import collector_paused
 from raydirect._consumer import fetch_value, run_all
-from raydirect._into import (
-    check_device_fits,
-    check_disjoint,
-    describe_targets,
-    match,
-    on_device,
-    set_hint,
-    target_device,
-)
+from raydirect._device_targets import check_device_fits, on_device, target_device
+from raydirect._into import check_disjoint, describe_targets, match, set_hint
 from raydirect._lifetime import Lifetime
 from raydirect._lifetime import check_transport as check_lifetime_transport
 from raydirect._payload import PendingFetch, get_deferred, join, split

@@ -34,15 +34,8 @@ from raydirect._choice import (
     refused_nixl,
 )
 from raydirect._collector import collector_paused
-from raydirect._into import (
-    copy_into,
-    data_address,
-    make_targets,
-    match,
-    on_device,
-    take_hint,
-    writable_bytes,
-)
+from raydirect._device_targets import make_targets, on_device
+from raydirect._into import copy_into, data_address, match, take_hint, writable_bytes
 from raydirect._lifetime import lifetimes
 from raydirect._payload import PREPARING, InlinePayload, Payload, check_usable_here, join
 from raydirect._ranges import ByteViews, Ranges
@@ -104,7 +97,7 @@ def fetch_tensors(
     """The tensors of ``payload`` in this process (copies, or the originals when
     this process produced them); tensor ``i`` lands in ``into[i]`` where given
     (targets already checked by ``_into.match``), the others on ``device`` where
-    given (checked by ``_into.target_device``). Bytes are written only while
+    given (checked by ``_device_targets.target_device``). Bytes are written only while
     ``gate`` (the calling ``rd.get``'s, when it reads several refs) is open."""
     into = into or {}
     metas = payload.metas

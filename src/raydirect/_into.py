@@ -12,10 +12,7 @@ shape, contiguity, no byte shared with another target) before a byte moves, and
 the bytes land in the targets themselves: no receive buffer, no copy after.
 Tensors of the value that ``into`` does not cover arrive in a new buffer as usual.
 
-``device=`` is the other way to say where the bytes land: every tensor of the
-value arrives on that device, in memory raydirect allocates there (a transport
-that can write there itself writes there, one copy; the others receive into
-their own buffer and the tensors are copied over once).
+``device=``, the other way to say where the bytes land, is ``_device_targets``.
 
 A per-ref hint (``rd.set_target``) serves reads this process does not call
 itself: Ray rebuilding a task argument, or a plain ``ray.get``. It is keyed by
@@ -36,21 +33,18 @@ import numpy as np
 import torch
 
 from raydirect._payload import InlinePayload, Payload, join, state_dict_keys
-from raydirect._process import UNWRITABLE, unwritable
 from raydirect._ranges import overlapping
+from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, sparse_or_nested, unwritable
 from raydirect._tensors import (
     DTYPE_NAMES,
-    KIND_TORCH,
-    LAZY_VIEW,
     TensorMeta,
     TensorMetas,
     device_types,
-    finish,
-    torch_dtype,
 )
 
 log = logging.getLogger("raydirect")
 _HINTS_KEPT = 4096
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 _COMPLEX = frozenset(name for dtype, name in DTYPE_NAMES.items() if dtype.is_complex)
 _hints: OrderedDict[bytes, Any] = OrderedDict()
 _hints_lock = threading.Lock()
@@ -97,8 +91,9 @@ def describe_targets(into: Any) -> DescribedTargets | None:
 
 def _described(keys: tuple[str, ...], tensors: list[Any]) -> DescribedTargets | None:
     """``tensors`` as columns, or None unless they are contiguous plain torch
-    tensors in distinct memory."""
-    if not all([type(t) is torch.Tensor for t in tensors]):
+    tensors or parameters in distinct memory (``dict(model.named_parameters())``
+    of 5,000: 2.7 ms here, 9.4 ms through the checks one by one)."""
+    if not all([type(t) in _PLAIN for t in tensors]):
         return None
     columns = _target_columns(tensors)
     if columns is None:
@@ -117,17 +112,16 @@ def _target_columns(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
     each, or None when one is not contiguous or is a lazily conjugated or negated
     view. Only a complex tensor can be conjugated: asking the others costs 0.4 ms
     per 5,000 targets."""
-    if not all([t.is_contiguous() for t in tensors]) or any([t.is_neg() for t in tensors]):
-        return None
-    dtypes = [DTYPE_NAMES[t.dtype] for t in tensors]
-    if not _COMPLEX.isdisjoint(dtypes) and any([t.is_conj() for t in tensors]):
-        return None
-    return (
-        [t.shape for t in tensors],
-        dtypes,
-        device_types(tensors),
-        [t.data_ptr() for t in tensors],
-    )
+    try:
+        if not all([t.is_contiguous() for t in tensors]) or any([t.is_neg() for t in tensors]):
+            return None
+        dtypes = [DTYPE_NAMES[t.dtype] for t in tensors]
+        if not _COMPLEX.isdisjoint(dtypes) and any([t.is_conj() for t in tensors]):
+            return None
+        shapes = [t.shape for t in tensors]
+    except RuntimeError:  # a sparse CSR or nested tensor (no strides, no one shape)
+        return None  # ``_check`` names it
+    return (shapes, dtypes, device_types(tensors), [t.data_ptr() for t in tensors])
 
 
 def _fits(into: DescribedTargets, metas: TensorMetas, order: Sequence[int]) -> bool:
@@ -340,14 +334,18 @@ def _walk(shape: Any, into: Any, path: str, found: dict[int, Any]) -> None:
 
 
 def _check(target: Any, meta: TensorMeta, index: int) -> None:
-    if type(target) is torch.Tensor and target.is_contiguous():  # the common case, fast
-        view = target
-    elif isinstance(target, np.ndarray):
+    if isinstance(target, np.ndarray):
         if not target.flags.c_contiguous or not target.flags.writeable:
             raise ValueError(f"{_where(index)} must be a writeable C-contiguous numpy array")
         view = torch.from_numpy(target)
     elif isinstance(target, torch.Tensor):
         view = target
+        kind = sparse_or_nested(target)
+        if kind is not None:
+            raise ValueError(
+                f"{_where(index)} is a {kind} tensor; into= writes dense tensors: pass one "
+                "(torch.empty(shape, dtype=...)) and convert it after the read"
+            )
         if not target.is_contiguous():
             raise ValueError(
                 f"{_where(index)} must be contiguous; pass target.contiguous() and copy back"
@@ -432,68 +430,3 @@ def set_hint(obj_id: bytes, into: Any) -> None:
 def take_hint(obj_id: bytes) -> Any:
     with _hints_lock:
         return _hints.pop(obj_id, None)
-
-
-def target_device(device: Any) -> torch.device | None:
-    """``device=`` of ``rd.get`` and ``rd.set_target``, checked: a device this
-    process can allocate on (``ValueError`` naming the fix otherwise)."""
-    if device is None:
-        return None
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(
-            f"device={device!r} is not a device torch knows: pass 'cpu', 'cuda' or 'cuda:N'"
-        ) from exc
-    if dev.type == "cpu":
-        return torch.device("cpu")
-    if dev.type != "cuda":
-        raise ValueError(f"device={device!r}: raydirect receives onto 'cpu' or 'cuda' devices")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"device={device!r}, but this process sees no CUDA device "
-            "(torch.cuda.is_available() is False): receive onto 'cpu', or give the "
-            "reading actor a GPU (num_gpus=...)"
-        )
-    index = torch.cuda.current_device() if dev.index is None else dev.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(
-            f"device={device!r}, but this process sees {torch.cuda.device_count()} CUDA "
-            "device(s) (Ray sets CUDA_VISIBLE_DEVICES per actor: its first GPU is 'cuda:0')"
-        )
-    return torch.device("cuda", index)
-
-
-def check_device_fits(metas: Sequence[TensorMeta], device: torch.device) -> None:
-    """Only torch tensors go to a GPU: numpy and JAX arrays stay where they are."""
-    if device.type != "cpu" and any(m.kind != KIND_TORCH for m in metas):
-        raise ValueError(
-            f"device={str(device)!r} applies to torch tensors, but this value holds numpy "
-            "or JAX arrays: receive onto 'cpu' and move them yourself"
-        )
-
-
-def make_targets(
-    metas: Sequence[TensorMeta], device: torch.device, skip: Mapping[int, Any]
-) -> dict[int, Any]:
-    """New tensors on ``device`` for the tensors of ``metas`` not in ``skip``."""
-    return {
-        i: finish(torch.empty(m.shape, dtype=torch_dtype(m.dtype), device=device), m)
-        for i, m in enumerate(metas)
-        if i not in skip
-    }
-
-
-def on_device(
-    tensors: list[Any], metas: Sequence[TensorMeta], device: torch.device | None
-) -> list[Any]:
-    """Received tensors on ``device``: those that arrived elsewhere are copied once."""
-    if device is None:
-        return tensors
-    check_device_fits(metas, device)
-    return [
-        finish(t.detach().to(device), m)
-        if isinstance(t, torch.Tensor) and t.device != device
-        else t
-        for t, m in zip(tensors, metas, strict=True)
-    ]

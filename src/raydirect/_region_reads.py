@@ -40,7 +40,7 @@ from raydirect._ranges import ByteViews, Ranges
 from raydirect._region_handle import RegionHandle
 from raydirect._region_rows import checked_rows
 from raydirect._store import store
-from raydirect._tensors import LAZY_VIEW
+from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, sparse_or_nested, unwritable
 from raydirect.errors import FetchTimeoutError, ProducerLostError, TransferError
 from raydirect.transports.base import WriteGate, metadata_classes
 from raydirect.transports.registry import AUTO, check_name, transport_class
@@ -336,9 +336,9 @@ def _destinations(into: Any) -> list[_Landing]:
     if not given:
         raise ValueError("into= needs at least one destination")
     landings = [_destination(d, i) for i, d in enumerate(given)]
-    bad = _process.unwritable([landing.tensor for landing in landings])
+    bad = unwritable([landing.tensor for landing in landings])
     if bad is not None:
-        raise ValueError(f"destination {bad} {_process.UNWRITABLE}")
+        raise ValueError(f"destination {bad} {UNWRITABLE}")
     return landings
 
 
@@ -372,7 +372,12 @@ def _destination(value: Any, i: int) -> _Landing:
             f"destination {i} is on {value.device}: regions are read into host memory for "
             "now; read into a CPU tensor, then copy it over"
         )
-    if value.layout != torch.strided or value.is_quantized or not value.is_contiguous():
+    kind = sparse_or_nested(value)
+    if kind is not None:
+        raise ValueError(
+            f"destination {i} is a {kind} tensor: rows land at byte offsets in a dense one"
+        )
+    if value.is_quantized or not value.is_contiguous():
         raise ValueError(f"destination {i} is not contiguous: rows land at byte offsets in it")
     if value.is_conj() or value.is_neg():
         raise ValueError(f"destination {i} {LAZY_VIEW}")

@@ -50,9 +50,8 @@ from raydirect._layouts import (
     state_of,
 )
 from raydirect._payload import PendingFetch, check_usable_here, get_deferred
-from raydirect._process import UNWRITABLE, unwritable
 from raydirect._ranges import overlapping
-from raydirect._tensors import LAZY_VIEW
+from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, sparse_or_nested, unwritable
 from raydirect.errors import RaydirectError, WeightSyncError
 
 Shard = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
@@ -80,6 +79,12 @@ class _Targets:
     def read(self) -> None:
         self.tensors = state_of(self._source, "target")
         self._held = [local_of(t) for t in self.tensors.values()]
+        for name, held in zip(self.tensors, self._held, strict=True):
+            kind = sparse_or_nested(held)
+            if kind is not None:  # torch's own error (of data_ptr) names no tensor
+                raise WeightSyncError(
+                    f"{name!r}: the target is a {kind} tensor; loads write dense ones"
+                )
         self._places = _places(self._source, self.tensors)
         self._pointers = [t.data_ptr() for t in self._held]
 

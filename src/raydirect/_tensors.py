@@ -59,14 +59,6 @@ class TensorMeta(NamedTuple):
     np_dtype: str | None = None  # numpy arrays: their own dtype string
 
 
-# What a refusal of a target with torch's conjugate or negative bit says after
-# naming it (every target check: rd.get into=, regions, weight loads).
-LAZY_VIEW = (
-    "is a lazily conjugated or negated view (x.conj(), x.conj().imag): its bytes are not the "
-    "values it shows, so the bytes written into it would read back conjugated or negated; "
-    "pass a tensor of its own (t.resolve_conj().resolve_neg()) and copy it back"
-)
-
 DTYPE_NAMES: dict[torch.dtype, str] = {
     d: str(d).removeprefix("torch.") for d in vars(torch).values() if isinstance(d, torch.dtype)
 }

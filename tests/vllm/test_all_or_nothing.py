@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import socket
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -322,6 +323,56 @@ def test_a_second_trainer_overlapping_the_first_on_a_tp2_engine_is_refused(
     second.send_weights()  # once the first's update has ended, the second's lands
     assert _applied(tp2_engine) == [2, 2]  # its version 1 was the refused one
     assert _serves(tp2_engine, state_of(second_model)) < LOGPROB_TOLERANCE
+
+
+def _init_together(trainers: list[Any]) -> None:
+    """Holds each trainer's next init until every one of them is about to make it,
+    then lets them all go: their updates start at the same moment."""
+    meet = threading.Barrier(len(trainers))
+    for trainer in trainers:
+        client = trainer._round.client
+        call = client.init_weight_transfer_engine
+
+        def together(*args: Any, _client: Any = client, _call: Any = call) -> Any:
+            _client.init_weight_transfer_engine = _call  # once
+            meet.wait(timeout=60)
+            return _call(*args)
+
+        client.init_weight_transfer_engine = together
+
+
+def test_two_trainers_starting_at_once_on_a_tp2_engine(tp2_engine: Any) -> None:
+    """Two trainers' updates of one tensor-parallel-2 engine, their inits made at
+    the same moment: whichever vLLM runs second finds the other's update under
+    way and is refused on both workers alike, naming the overlap; the other lands
+    on both workers, no session is left open, and the refused trainer's next
+    update lands."""
+    models = [random_llama(seed=70), random_llama(seed=71)]
+    trainers = [
+        _trainer([tp2_engine], ModuleSource(m), timeout=60, name=f"at-once-{k}")
+        for k, m in enumerate(models)
+    ]
+    said: dict[int, str] = {}
+    _init_together(trainers)
+
+    def update(k: int) -> None:
+        said[k] = _refusal(trainers[k].send_weights)
+
+    threads = [threading.Thread(target=update, args=(k,)) for k in range(len(trainers))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert sorted(said) == [0, 1], said
+    landed = [k for k, s in said.items() if s == "not refused"]
+    assert len(landed) == 1, said
+    refused = 1 - landed[0]
+    assert "must not overlap" in said[refused], said
+    assert _serves(tp2_engine, state_of(models[landed[0]])) < LOGPROB_TOLERANCE
+    assert _sessions_open(tp2_engine) == [False, False]
+    trainers[refused].send_weights()
+    assert _applied(tp2_engine) == [2, 2]  # its version 1 was the refused one
+    assert _serves(tp2_engine, state_of(models[refused])) < LOGPROB_TOLERANCE
 
 
 def test_a_trainer_refused_on_one_engine_closes_the_sessions_it_opened_on_others(
