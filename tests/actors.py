@@ -61,6 +61,19 @@ def make_value(case: str) -> Any:
             "i64": torch.arange(1000),
             "view": torch.arange(40_000, dtype=torch.float32)[100:30_000:3],
         }
+    if case in ("unusual", "unusual_small"):  # tensors whose raw bytes are not their values
+        c = torch.complex(base, -base)
+        value = {
+            "conj": c.conj(),
+            "neg_0d": c.conj().imag[0, 0],  # contiguous, with the negative bit
+            "coo": base.to_sparse(),
+            "csr": base.to_sparse_csr(),
+            "nested": torch.nested.nested_tensor([base[0], base[1, :5]]),
+            "plain": base,
+        }
+        if case == "unusual":  # above the inline limit: under auto, a direct object
+            value["big_conj"] = torch.complex(torch.randn(256, 128, generator=g), base[0, 0]).conj()
+        return value
     if case == "no_tensors":
         return {"a": 1, "b": [1, 2, "three"], "c": None}
     if case == "grad_state":  # a state dict (the fast path) with a tensor that wants grad

@@ -253,3 +253,24 @@ def test_a_target_in_read_only_memory_is_refused_before_a_byte_moves(pair, case,
     # The fix the error names: the same file mapped copy-on-write.
     got = ray.get(c.get_into_mapped.remote(case, [ref], transport, mmap.ACCESS_COPY))
     assert got == {"problem": None, "targets_returned": True}
+
+
+def test_into_a_value_holding_conjugated_sparse_and_nested_tensors(pair):
+    """Lazily conjugated views travel as resolved copies, so they land in targets
+    like any dense tensor; sparse and nested tensors travel whole (pickled), and
+    a target for one is refused by name before a byte moves."""
+    p, c = pair
+    ref = p.value.remote("unusual")
+    targets = {
+        "plain": torch.empty(64, 32),
+        "conj": torch.empty(64, 32, dtype=torch.complex64),
+        "big_conj": torch.empty(256, 128, dtype=torch.complex64),
+    }
+    got = rd.get(ref, into=targets, timeout=30)
+    assert all(got[k] is t for k, t in targets.items())
+    assert check_value("unusual", got) is None
+    error = ray.get(c.get_into_bad.remote([ref], {"coo": torch.empty(64, 32)}))
+    assert error.startswith("TypeError: into['coo']: the value's tensor there is a sparse_coo"), (
+        error
+    )
+    assert "[bytes moved]" not in error

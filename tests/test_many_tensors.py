@@ -15,7 +15,7 @@ import pytest
 import torch
 from ray import cloudpickle
 
-from raydirect import _collector, _compression, _payload, _region_reads
+from raydirect import _collector, _compression, _payload, _region_reads, _split
 from raydirect._into import MatchedTargets, describe_targets, match
 from raydirect._payload import Payload, ProducerInfo
 from raydirect._producer import _byte_views
@@ -55,7 +55,7 @@ def _model_state(layers: int) -> dict[str, torch.Tensor]:
 def _payload_of(value: dict[str, torch.Tensor]) -> Payload:
     """The Payload ``export`` makes for ``value``, without an agent: the same
     skeleton, metas and cma addresses."""
-    parts = _payload.split(value)
+    parts = _split.split(value)
     views = _byte_views(parts)
     producer = ProducerInfo("tcp://10.0.0.1:40000", "f" * 56, 4242, 1, b"t" * 16, "Trainer.state")
     return Payload(
@@ -80,7 +80,7 @@ def test_5000_tensors_travel_in_a_payload_ray_inlines():
     assert size < RAY_INLINE_LIMIT // 2, size  # uncompressed it was 345 KB
     back = cloudpickle.loads(cloudpickle.dumps(payload.metas.pack()))
     assert list(TensorMetas.unpack(back)) == list(payload.metas)
-    assert _payload.state_dict_keys(payload.skeleton) == tuple(state)
+    assert _split.state_dict_keys(payload.skeleton) == tuple(state)
 
 
 def test_a_rebuilt_payload_holds_its_state_dict_s_keys_decoded():
@@ -97,8 +97,8 @@ def test_a_rebuilt_payload_holds_its_state_dict_s_keys_decoded():
     assert rebuilt.skeleton == tuple(state)
     assert list(rebuilt.metas) == list(payload.metas)
     tensors = list(state.values())
-    assert _payload.join(rebuilt.skeleton, tensors, []) == state
-    assert _payload.join(payload.skeleton, tensors, []) == state  # from the bytes alike
+    assert _split.join(rebuilt.skeleton, tensors, []) == state
+    assert _split.join(payload.skeleton, tensors, []) == state  # from the bytes alike
 
 
 def test_metas_of_the_tensors_sent_unpack_whatever_changed():
@@ -114,7 +114,7 @@ def test_metas_of_the_tensors_sent_unpack_whatever_changed():
     }
     packed = {}
     for what, value in changes.items():
-        metas = _payload.split(value).metas
+        metas = _split.split(value).metas
         packed[what] = metas.pack()
         back = TensorMetas.unpack(packed[what])
         assert list(back) == list(metas), what

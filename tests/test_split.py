@@ -9,7 +9,7 @@ import pickle
 import numpy as np
 import torch
 
-from raydirect import _payload
+from raydirect import _split
 from raydirect._ranges import ByteViews, Ranges
 from raydirect._tensors import TensorMeta, TensorMetas, describe, tensors_from_arena
 from raydirect.testing import mismatch
@@ -28,10 +28,10 @@ def _state_dict() -> dict[str, torch.Tensor]:
 
 def test_a_state_dict_skips_the_pickler_and_joins_back_in_order():
     value = _state_dict()
-    parts = _payload.split(value)
-    assert parts.skeleton.startswith(_payload._STATE_DICT)
-    assert _payload.state_dict_keys(parts.skeleton) == tuple(value)
-    back = _payload.join(parts.skeleton, parts.tensors, parts.handles)
+    parts = _split.split(value)
+    assert parts.skeleton.startswith(_split._STATE_DICT)
+    assert _split.state_dict_keys(parts.skeleton) == tuple(value)
+    back = _split.join(parts.skeleton, parts.tensors, parts.handles)
     assert list(back) == list(value) and mismatch(back, value) is None
 
 
@@ -44,11 +44,11 @@ def test_values_that_are_not_plain_state_dicts_take_the_general_path():
         {"a": t, "n": 1},
         [t],
     ):
-        parts = _payload.split(value)
-        assert not parts.skeleton.startswith(_payload._STATE_DICT), value
-        back = _payload.join(parts.skeleton, parts.tensors, parts.handles)
+        parts = _split.split(value)
+        assert not parts.skeleton.startswith(_split._STATE_DICT), value
+        back = _split.join(parts.skeleton, parts.tensors, parts.handles)
         assert mismatch(back, value) is None
-    parts = _payload.split({"a": t, "b": t})
+    parts = _split.split({"a": t, "b": t})
     assert len(parts.tensors) == 1
 
 
@@ -59,14 +59,14 @@ def test_metas_as_columns_equal_the_per_tensor_description():
         torch.nn.Parameter(torch.zeros(3)),
         np.arange(6, dtype=np.int16).reshape(2, 3),
     ]
-    parts = _payload.split(originals)
+    parts = _split.split(originals)
     want = [describe(o, t) for o, t in zip(parts.originals, parts.tensors, strict=True)]
     assert list(parts.metas) == want
     unpacked = TensorMetas.unpack(pickle.loads(pickle.dumps(parts.metas.pack())))
     assert list(unpacked) == want
     assert list(unpacked.select([5, 0])) == [want[5], want[0]]
     assert unpacked.total_bytes() == sum(m.nbytes for m in want)
-    plain = _payload.split(_state_dict()).metas
+    plain = _split.split(_state_dict()).metas
     assert plain.rest is None  # every tensor plain: the rare columns are not sent
 
 

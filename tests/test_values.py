@@ -9,7 +9,18 @@ import raydirect as rd
 
 from actors import check_value
 
-CASES = ["dtypes", "views", "aliasing", "numpy", "no_tensors", "params", "grad_state", "tied"]
+CASES = [
+    "dtypes",
+    "views",
+    "aliasing",
+    "numpy",
+    "no_tensors",
+    "params",
+    "grad_state",
+    "tied",
+    "unusual",
+    "unusual_small",
+]
 TRANSPORTS = ["auto", "cma", "shm", "tcp"]
 
 

@@ -24,9 +24,10 @@ from raydirect._device_targets import check_device_fits, on_device, target_devic
 from raydirect._into import check_disjoint, describe_targets, match, set_hint
 from raydirect._lifetime import Lifetime
 from raydirect._lifetime import check_transport as check_lifetime_transport
-from raydirect._payload import PendingFetch, get_deferred, join, split
+from raydirect._payload import PendingFetch, get_deferred
 from raydirect._producer import export
 from raydirect._producer import put as put_payload
+from raydirect._split import join, split
 from raydirect._store import LocalStats, store
 from raydirect.errors import FetchTimeoutError, RaydirectError
 from raydirect.transports.base import WriteGate

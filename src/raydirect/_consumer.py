@@ -37,8 +37,9 @@ from raydirect._collector import collector_paused
 from raydirect._device_targets import make_targets, on_device
 from raydirect._into import copy_into, data_address, match, take_hint, writable_bytes
 from raydirect._lifetime import lifetimes
-from raydirect._payload import PREPARING, InlinePayload, Payload, check_usable_here, join
+from raydirect._payload import PREPARING, InlinePayload, Payload, check_usable_here
 from raydirect._ranges import ByteViews, Ranges
+from raydirect._split import join
 from raydirect._store import StoredObject, store
 from raydirect._tensors import (
     TensorMetas,

@@ -32,9 +32,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from raydirect._payload import InlinePayload, Payload, join, state_dict_keys
+from raydirect._payload import InlinePayload, Payload
 from raydirect._ranges import overlapping
-from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, sparse_or_nested, unwritable
+from raydirect._split import join, sparse_or_nested, state_dict_keys
+from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, unwritable
 from raydirect._tensors import (
     DTYPE_NAMES,
     TensorMeta,
@@ -113,7 +114,7 @@ def _target_columns(tensors: list[torch.Tensor]) -> tuple[Any, ...] | None:
     view. Only a complex tensor can be conjugated: asking the others costs 0.4 ms
     per 5,000 targets."""
     try:
-        if not all([t.is_contiguous() for t in tensors]) or any([t.is_neg() for t in tensors]):
+        if not all([t.is_contiguous() for t in tensors]) or any(map(torch.Tensor.is_neg, tensors)):
             return None
         dtypes = [DTYPE_NAMES[t.dtype] for t in tensors]
         if not _COMPLEX.isdisjoint(dtypes) and any([t.is_conj() for t in tensors]):
@@ -323,6 +324,12 @@ def _walk(shape: Any, into: Any, path: str, found: dict[int, Any]) -> None:
         for i, (part, target) in enumerate(zip(shape, into, strict=True)):
             _walk(part, target, f"{path}[{i}]", found)
         return
+    if isinstance(shape, torch.Tensor):  # it rode in the Payload as itself (``_split``)
+        kind = sparse_or_nested(shape) or "quantized"
+        raise TypeError(
+            f"{path}: the value's tensor there is a {kind} tensor, which travels whole "
+            "(pickled), not into a target; leave it out of into= or put None"
+        )
     if hasattr(shape, "__dict__") and type(shape) is type(into):
         for name, part in vars(shape).items():
             _walk(part, getattr(into, name, None), f"{path}.{name}", found)

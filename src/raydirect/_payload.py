@@ -1,12 +1,5 @@
-"""The Payload Ray stores for a direct object, and the split/join of values.
-
-``split`` pickles a value with a ``persistent_id`` hook that pulls out every
-tensor (and plain numpy array) plus every Ray handle (ObjectRef, ActorHandle).
-Tensors stay in the producer; Ray handles ride in the Payload as real objects
-so that Ray's serializer sees them and its reference counting stays right for
-refs nested in the value. ``persistent_id`` is not memoised by pickle, so
-identity is deduplicated here: the same tensor twice travels once and arrives
-as one tensor.
+"""The Payload Ray stores for a direct object, and the inline value that
+carries a small one's tensors with it (a value is taken apart by ``_split``).
 
 Unpickling a Payload in another process is what performs the fetch: Ray calls
 ``_rebuild`` wherever it deserializes the object (``ray.get``, task arguments),
@@ -17,9 +10,7 @@ and ``_rebuild`` hands the Payload to the fetcher the consumer layer registered
 from __future__ import annotations
 
 import functools
-import io
 import itertools
-import pickle
 import threading
 import weakref
 from collections.abc import Callable
@@ -29,11 +20,9 @@ from typing import Any
 import numpy as np
 import ray
 import torch
-from ray import cloudpickle
-from ray.actor import ActorHandle
 
-from raydirect import _compression as compression
 from raydirect import _process, _ray
+from raydirect._split import SplitValue, join, state_dict_keys
 from raydirect._tensors import (
     TensorMetas,
     arena_layout,
@@ -213,39 +202,33 @@ def inline_entries() -> int:
 
 @dataclass(slots=True)
 class InlineValue:
-    """A small value whose tensors travel with it (the ``auto`` transport inlines)."""
+    """A small value whose tensors travel with it (the ``auto`` transport inlines),
+    in one buffer (``_packed``)."""
 
     skeleton: bytes
     originals: list[Any]
     handles: list[Any]
     keys: list[int]
     label: str  # who made it, for messages
+    tensors: list[Any]
+    metas: TensorMetas
     # Names it for ``rd.set_target``, as a direct object's id does.
     obj_id: bytes = field(default_factory=_process.new_id)
-    # Dense CPU tensors travel as one buffer (``_packed``); others pickled whole.
-    tensors: list[Any] | None = None
-    metas: TensorMetas | None = None
 
     @classmethod
     def of(cls, parts: SplitValue, label: str) -> InlineValue:
         keys = [_inline_key(original) for original in parts.originals]
-        value = cls(parts.skeleton, parts.originals, parts.handles, keys, label)
-        if all([t.layout == torch.strided and not t.is_quantized for t in parts.tensors]):
-            value.tensors, value.metas = parts.tensors, parts.metas
-        return value
+        return cls(
+            parts.skeleton, parts.originals, parts.handles, keys, label, parts.tensors, parts.metas
+        )
 
     def __reduce__(self):
-        if self.metas is not None and self.tensors is not None:
-            packed = (self.metas.pack(), _packed(self.tensors, self.metas))
-            originals: Any = None
-        else:
-            packed, originals = None, self.originals
+        packed = (self.metas.pack(), _packed(self.tensors, self.metas))
         state = (
             _process.PROCESS_TOKEN,
             self.obj_id,
             self.label,
             self.skeleton,
-            originals,
             self.handles,
             self.keys,
             packed,
@@ -317,15 +300,12 @@ def _rebuild_inline(
     obj_id: bytes,
     label: str,
     skeleton: bytes,
-    tensors: list[Any] | None,
     handles: list[Any],
     keys: list[int],
-    packed: tuple[bytes, bytes] | None = None,
+    packed: tuple[bytes, bytes],
 ) -> Any:
-    metas = None
-    if packed is not None:
-        tensors, metas = _unpacked(packed)
-    assert tensors is not None
+    tensors, unpacked = _unpacked(packed)
+    metas: TensorMetas | None = unpacked
     if token == _process.PROCESS_TOKEN:
         tensors = [_inline_original(k, t) for k, t in zip(keys, tensors, strict=True)]
         metas = None  # the originals, whatever they are: described again if asked
@@ -341,115 +321,3 @@ def _inline_original(key: int, received: Any) -> Any:
     ref = _inline_by_key.get(key) if key else None
     original = ref() if ref is not None else None
     return received if original is None else original
-
-
-# ---------------------------------------------------------------- split / join
-#
-# A persistent id is an int: tensor ``i`` is ``i``, Ray handle ``j`` is ``-(j + 1)``.
-# Joining then indexes one list, ``tensors + reversed(handles)``, whose C
-# ``__getitem__`` serves as the unpickler's ``persistent_load``: a value of
-# thousands of tensors costs no Python call per tensor to rebuild.
-
-
-class _Splitter(cloudpickle.CloudPickler):
-    def __init__(self, file: io.BytesIO, only: type | None) -> None:
-        super().__init__(file, protocol=5)
-        self._only = only
-        self.originals: list[Any] = []
-        self.tensors: list[Any] = []
-        self.handles: list[Any] = []
-        self._seen: dict[int, int] = {}
-
-    def persistent_id(self, obj: Any) -> Any:
-        kind = type(obj)
-        if kind in _PLAIN:  # most of what a value holds: answered at once
-            return None
-        found = self._seen.get(id(obj))
-        if found is not None:
-            return found
-        if kind is torch.Tensor and self._only is None:  # the common case, no checks
-            tensor = obj
-        elif isinstance(obj, (ray.ObjectRef, ActorHandle)):
-            self.handles.append(obj)
-            pid = self._seen[id(obj)] = -len(self.handles)
-            return pid
-        else:
-            if self._only is not None and not isinstance(obj, self._only):
-                return None
-            tensor = as_tensor(obj)
-            if tensor is None:
-                return None
-        pid = self._seen[id(obj)] = len(self.tensors)
-        self.originals.append(obj)
-        self.tensors.append(tensor)
-        return pid
-
-
-# Types that are never tensors nor Ray handles (containers are walked by pickle anyway).
-_PLAIN = frozenset({str, int, float, bool, bytes, type(None), tuple, list, dict, set})
-
-
-@dataclass(slots=True)
-class SplitValue:
-    skeleton: bytes
-    originals: list[Any]  # the objects as found in the value (tensors, arrays)
-    tensors: list[Any]  # their torch views
-    handles: list[Any]
-    metas: TensorMetas
-
-
-# A state dict (str keys, each value its own plain tensor) is most of what
-# travels: its skeleton is this marker and its keys, so splitting and joining one
-# of thousands of tensors costs no Python call per tensor. A pickle stream never
-# starts with a zero byte.
-_STATE_DICT = b"\x00raydirect:state-dict\x00"
-
-
-def _split_state_dict(value: Any) -> SplitValue | None:
-    if type(value) is not dict:
-        return None
-    tensors = list(value.values())
-    if not all([type(t) is torch.Tensor for t in tensors]):
-        return None
-    if not all([type(k) is str for k in value]) or len(set(map(id, tensors))) != len(tensors):
-        return None  # a tensor twice (tied weights): the general path sends it once
-    metas = describe_all(tensors, tensors, plain=True)
-    return SplitValue(_state_dict_skeleton(list(value)), tensors, tensors, [], metas)
-
-
-def _state_dict_skeleton(keys: list[str]) -> bytes:
-    """The marker and the keys, compressed (5,000 keys: 212 KB pickled, 16 KB
-    compressed, so the Payload stays under Ray's inline limit)."""
-    return _STATE_DICT + compression.pack(pickle.dumps(keys, protocol=5))
-
-
-def split(value: Any, only: type | None = None) -> SplitValue:
-    """Pull the tensors out of ``value``: torch tensors and numpy arrays, or only
-    instances of ``only`` (a plug-in transport's ``data_type``)."""
-    if only is None and (state_dict := _split_state_dict(value)) is not None:
-        return state_dict
-    buf = io.BytesIO()
-    pickler = _Splitter(buf, only)
-    pickler.dump(value)
-    metas = describe_all(pickler.originals, pickler.tensors)
-    return SplitValue(buf.getvalue(), pickler.originals, pickler.tensors, pickler.handles, metas)
-
-
-def state_dict_keys(skeleton: bytes | tuple[str, ...]) -> tuple[str, ...] | None:
-    """The keys of a value ``split`` took as a state dict (decoded, or as a rebuilt
-    Payload holds them), else None."""
-    if isinstance(skeleton, tuple):
-        return skeleton
-    if not skeleton.startswith(_STATE_DICT):
-        return None
-    return tuple(pickle.loads(compression.unpack(skeleton[len(_STATE_DICT) :])))
-
-
-def join(skeleton: bytes | tuple[str, ...], tensors: list[Any], handles: list[Any]) -> Any:
-    """The value ``split`` took apart, around ``tensors`` (in order) and ``handles``."""
-    keys = state_dict_keys(skeleton)
-    if keys is not None:
-        return dict(zip(keys, tensors, strict=True))
-    unpickler = pickle.Unpickler(io.BytesIO(skeleton))  # type: ignore[arg-type]
-    unpickler.persistent_load = [*tensors, *reversed(handles)].__getitem__  # type: ignore[method-assign]
-    return unpickler.load()

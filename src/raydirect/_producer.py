@@ -33,13 +33,12 @@ from raydirect._payload import (
     InlineValue,
     Payload,
     ProducerInfo,
-    SplitValue,
     check_usable_here,
-    split,
 )
 from raydirect._plugin_serve import abort_sends
 from raydirect._ranges import ByteViews
 from raydirect._server import CONTROL, DATA, Reply
+from raydirect._split import SplitValue, split
 from raydirect._store import StoredObject, capability_of, store
 from raydirect._tensors import TensorMetas, flat_bytes, storage_keys, version_counters
 from raydirect.errors import ProducerLostError, TransferError

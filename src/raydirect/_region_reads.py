@@ -39,8 +39,9 @@ from raydirect._payload import Payload, check_usable_here
 from raydirect._ranges import ByteViews, Ranges
 from raydirect._region_handle import RegionHandle
 from raydirect._region_rows import checked_rows
+from raydirect._split import sparse_or_nested
 from raydirect._store import store
-from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, sparse_or_nested, unwritable
+from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, unwritable
 from raydirect.errors import FetchTimeoutError, ProducerLostError, TransferError
 from raydirect.transports.base import WriteGate, metadata_classes
 from raydirect.transports.registry import AUTO, check_name, transport_class

@@ -51,7 +51,8 @@ from raydirect._layouts import (
 )
 from raydirect._payload import PendingFetch, check_usable_here, get_deferred
 from raydirect._ranges import overlapping
-from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, sparse_or_nested, unwritable
+from raydirect._split import sparse_or_nested
+from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, unwritable
 from raydirect.errors import RaydirectError, WeightSyncError
 
 Shard = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]

@@ -1,7 +1,8 @@
 """What every receive checks of the memory it is told to write (``rd.get``'s
 ``into=``, a region read's destinations, a weight load's targets) before a byte
 moves: that this process can write it, and that the bytes written there are the
-values the tensor shows."""
+values the tensor shows. Whether it is dense is ``_split.sparse_or_nested``,
+which asks the same of what a producer sends."""
 
 from __future__ import annotations
 
@@ -25,18 +26,6 @@ LAZY_VIEW = (
     "values it shows, so the bytes written into it would read back conjugated or negated; "
     "pass a tensor of its own (t.resolve_conj().resolve_neg()) and copy it back"
 )
-
-
-def sparse_or_nested(tensor: torch.Tensor) -> str | None:
-    """``"nested"``, or the sparse layout's name (``"sparse_csr"``...), of a tensor
-    whose elements are not one dense block that bytes can land in; None for a
-    dense tensor. Torch's own errors for those name no tensor ("Sparse CSR
-    tensors do not have is_contiguous")."""
-    if tensor.is_nested:
-        return "nested"
-    if tensor.layout != torch.strided:
-        return str(tensor.layout).removeprefix("torch.")
-    return None
 
 
 # What a refusal of an ``unwritable`` tensor says after naming it.

@@ -102,14 +102,13 @@ def make_value(case: str, data_type: type = torch.Tensor) -> Any:
 def mismatch(got: Any, want: Any, path: str = "value") -> str | None:
     """None when ``got`` equals ``want`` in value, dtype, shape and type; else where not."""
     if isinstance(want, torch.Tensor):
-        if type(got) is not type(want) or got.dtype != want.dtype or got.shape != want.shape:
-            return (
-                f"{path}: {type(got).__name__} {getattr(got, 'dtype', '')} "
-                f"{tuple(getattr(got, 'shape', ()))}"
-            )
+        if type(got) is not type(want) or got.dtype != want.dtype or _shape(got) != _shape(want):
+            return f"{path}: {type(got).__name__} {getattr(got, 'dtype', '')} {_shape(got)}"
         if got.requires_grad != want.requires_grad:
             return f"{path}: requires_grad {got.requires_grad} != {want.requires_grad}"
-        return None if torch.equal(got.detach(), want.detach()) else f"{path}: values differ"
+        if (got.layout, got.is_nested) != (want.layout, want.is_nested):
+            return f"{path}: layout {got.layout} (nested: {got.is_nested})"
+        return None if _equal(got.detach(), want.detach()) else f"{path}: values differ"
     if isinstance(want, np.ndarray):
         if not isinstance(got, np.ndarray) or got.dtype != want.dtype or got.shape != want.shape:
             return f"{path}: {type(got).__name__} {getattr(got, 'dtype', '')}"
@@ -130,6 +129,23 @@ def mismatch(got: Any, want: Any, path: str = "value") -> str | None:
             None,
         )
     return None if got == want else f"{path}: {got!r} != {want!r}"
+
+
+def _shape(t: Any) -> Any:
+    """A nested tensor has no one shape: its count of pieces (each compared by ``_equal``)."""
+    if isinstance(t, torch.Tensor) and t.is_nested:
+        return ("nested", t.size(0))
+    return tuple(getattr(t, "shape", ()))
+
+
+def _equal(got: torch.Tensor, want: torch.Tensor) -> bool:
+    """``torch.equal``, which sparse and nested tensors do not support."""
+    if want.is_nested:
+        pieces = list(zip(got.unbind(), want.unbind(), strict=False))
+        return len(pieces) == want.size(0) and all(torch.equal(g, w) for g, w in pieces)
+    if want.layout != torch.strided:
+        return torch.equal(got.to_dense(), want.to_dense())
+    return torch.equal(got, want)
 
 
 def check(case: str, got: Any, data_type: type = torch.Tensor) -> str | None:
