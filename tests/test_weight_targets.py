@@ -189,9 +189,9 @@ def test_a_lazily_conjugated_or_negated_target_is_refused_before_a_byte_moves(ra
 
 
 @pytest.mark.parametrize("kind", ["sparse_csr", "nested"])
-def test_a_sparse_or_nested_target_is_refused_by_name(ray_session, kind):
-    """Torch's own error for such a target named no tensor ("Sparse CSR tensors do
-    not have is_contiguous")."""
+def test_a_sparse_or_nested_target_or_source_is_refused_by_name(ray_session, kind):
+    """Torch's own errors for such a target or source named no tensor ("Sparse CSR
+    tensors do not have is_contiguous", "copy_() between dense and sparse")."""
     pub = rd.WeightPublisher({"w": torch.ones(4, D), "b": torch.ones(D)}, depth=1)
     bias = torch.zeros(D)
     odd: torch.Tensor
@@ -201,6 +201,8 @@ def test_a_sparse_or_nested_target_is_refused_by_name(ray_session, kind):
         odd = torch.nested.nested_tensor([torch.zeros(D)] * 4)
     with pytest.raises(rd.WeightSyncError, match=rf"'w': the target is a {kind} tensor"):
         rd.WeightSubscriber({"w": odd, "b": bias})
+    with pytest.raises(rd.WeightSyncError, match=rf"'w' is a {kind} tensor: weight sync moves"):
+        rd.WeightPublisher({"w": odd, "b": bias})
     target = {"w": torch.zeros(4, D), "b": bias}
     sub = rd.WeightSubscriber(target)
     assert sub.load(pub.publish(1), timeout=30) == 1

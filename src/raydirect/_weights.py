@@ -54,6 +54,7 @@ from raydirect._layouts import (
     state_of,
 )
 from raydirect._producer import put
+from raydirect._split import sparse_or_nested
 from raydirect._store import store
 from raydirect._tensors import DTYPE_NAMES, aligned_offsets, torch_dtype
 from raydirect.errors import WeightSyncError
@@ -104,7 +105,15 @@ class WeightPublisher:
                 f"start), got {placement!r}"
             )
         self._placement = placement
-        self._boxes_of(state_of(source, "source"))  # refuses what cannot be placed, now
+        state = state_of(source, "source")
+        for name, tensor in state.items():  # torch's own errors name no tensor
+            kind = sparse_or_nested(local_of(tensor))
+            if kind is not None:
+                raise WeightSyncError(
+                    f"{name!r} is a {kind} tensor: weight sync moves dense tensors; publish "
+                    "a dense copy (t.to_dense()) or leave it out of the source"
+                )
+        self._boxes_of(state)  # refuses what cannot be placed, now
         if shard_blocks is not None and (depth == 0 or not callable(shard_blocks)):
             raise ValueError(
                 "shard_blocks= is a callable (name, full_shape) -> None | (dim, parts) that "
