@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
+import math
 import time
 
 import pytest
@@ -157,7 +159,8 @@ def test_rd_get_timeout(pair):
     blocker = Consumer.options(max_concurrency=2).remote()
     never = blocker.wait_gate.remote(60)
     start = time.monotonic()
-    with pytest.raises(ray.exceptions.GetTimeoutError):
+    # Ray's own timeout (the value not yet returned) is raydirect's error too, as documented.
+    with pytest.raises(rd.FetchTimeoutError, match="Ray had not returned every ref's value"):
         rd.get([p.value.remote("dtypes"), never], timeout=1.0)
     assert time.monotonic() - start < 10
     # A transfer that cannot finish in time: 256 MiB over tcp within 1 ms.
@@ -173,6 +176,33 @@ def test_rd_get_timeout(pair):
     # The exception's traceback holds the refs in a cycle: release them now.
     del info, big
     gc.collect()
+
+
+@pytest.mark.parametrize(
+    ("timeout", "error"),
+    [(-1, ValueError), (math.nan, ValueError), ("5", TypeError), (True, TypeError)],
+    ids=["negative", "nan", "str", "bool"],
+)
+def test_a_bad_timeout_is_refused_by_every_call_that_takes_one(pair, timeout, error):
+    """Before, -1 timed out at once saying it had waited -1 s, and nan or inf
+    failed in Ray ("cannot convert float NaN to integer")."""
+    p, _ = pair
+    ref = p.value.remote("dtypes")
+    calls = {
+        "rd.get": lambda: rd.get(ref, timeout=timeout),
+        "rd.get_async": lambda: asyncio.run(rd.get_async(ref, timeout=timeout)),
+        "rd.wait_tensor_freed": lambda: rd.wait_tensor_freed(torch.ones(1), timeout=timeout),
+        "rd.broadcast": lambda: rd.broadcast(ref, [], timeout=timeout),
+        "rd.read_ranges": lambda: rd.read_ranges({}, [], into=torch.ones(1), timeout=timeout),
+        "rd.notify_region": lambda: rd.notify_region({}, "x", timeout=timeout),
+        "publish": lambda: rd.WeightPublisher({"w": torch.ones(2)}).publish(1, timeout=timeout),
+        "load": lambda: rd.WeightSubscriber({"w": torch.ones(2)}).load([], timeout=timeout),
+    }
+    for name, call in calls.items():
+        with pytest.raises(error, match="timeout must be None or a number of seconds"):
+            call()
+            pytest.fail(f"{name} took timeout={timeout!r}")
+    assert check_value("dtypes", rd.get(ref, timeout=math.inf)) is None  # no limit
 
 
 def test_unknown_transport_names_the_known_ones(pair):

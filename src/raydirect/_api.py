@@ -29,6 +29,7 @@ from raydirect._producer import export
 from raydirect._producer import put as put_payload
 from raydirect._split import join, split
 from raydirect._store import LocalStats, store
+from raydirect._timeouts import checked_timeout
 from raydirect.errors import FetchTimeoutError, RaydirectError
 from raydirect.transports.base import WriteGate
 from raydirect.transports.registry import AUTO, check_name
@@ -221,6 +222,7 @@ def _get(
     gate: WriteGate | None,
 ) -> Any:
     """``get``; ``gate``: the caller's, closed when it gives up (``get_async``)."""
+    timeout = checked_timeout(timeout)
     if tensor_transport is not None:
         check_name(tensor_transport)
     if into is not None and device is not None:
@@ -232,7 +234,14 @@ def _get(
     deadline = None if timeout is None else time.monotonic() + timeout
     with collector_paused():  # before the values arrive: while the producers export
         described = [describe_targets(target) for target in intos]
-    values = get_deferred(ref_list, timeout)
+    try:
+        values = get_deferred(ref_list, timeout)
+    except ray.exceptions.GetTimeoutError as exc:  # Ray's: a value not yet returned
+        raise FetchTimeoutError(
+            f"rd.get timed out after {timeout}s: Ray had not returned every ref's value "
+            "(the task or actor method that makes it still running, or queued). Pass a "
+            "larger timeout, or check that the producers are alive (`raydirect status`)."
+        ) from exc
     pending = [i for i, v in enumerate(values) if isinstance(v, PendingFetch)]
     targets = _checked_targets(values, pending, intos, described)
     if dev is not None:
@@ -397,7 +406,7 @@ def _timeout_error(timeout: float | None, count: int, late: list[Any]) -> FetchT
 def wait_tensor_freed(tensor: Any, timeout: float | None = None) -> None:
     """In a producer: block until no live raydirect object holds ``tensor``, so it
     can be written in place safely. ``TimeoutError`` past ``timeout`` seconds."""
-    store.wait_tensor_freed(tensor, timeout)
+    store.wait_tensor_freed(tensor, checked_timeout(timeout))
 
 
 def local_stats() -> LocalStats:

@@ -31,6 +31,7 @@ from raydirect import _ray
 from raydirect._api import get
 from raydirect._payload import Payload, PendingFetch, get_deferred
 from raydirect._producer import export
+from raydirect._timeouts import checked_timeout
 from raydirect.transports.registry import AUTO
 
 log = logging.getLogger("raydirect")
@@ -75,6 +76,7 @@ def broadcast(
     """Refs to deliver ``ref``'s value to ``actors`` (one per actor, in order)
     with the producer read once per node: pass ``refs[i]`` to ``actors[i]``.
     ``timeout`` bounds the relays' reads (``rd.FetchTimeoutError``)."""
+    timeout = checked_timeout(timeout)
     if not isinstance(ref, ray.ObjectRef):
         raise TypeError(f"rd.broadcast takes an ObjectRef, got {type(ref).__name__}")
     actors = list(actors)

@@ -42,6 +42,7 @@ from raydirect._region_rows import checked_rows
 from raydirect._split import sparse_or_nested
 from raydirect._store import store
 from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, unwritable
+from raydirect._timeouts import checked_timeout
 from raydirect.errors import FetchTimeoutError, ProducerLostError, TransferError
 from raydirect.transports.base import WriteGate, metadata_classes
 from raydirect.transports.registry import AUTO, check_name, transport_class
@@ -123,6 +124,7 @@ def notify_region(handle: Any, message: Any, *, timeout: float | None = None) ->
     its owner frees them. Returns once the owner's agent has it.
     ``rd.ProducerLostError`` if the region is closed or its owner gone;
     ``rd.FetchTimeoutError`` past ``timeout``."""
+    timeout = checked_timeout(timeout)
     check_usable_here()
     region = RegionHandle.of(handle)
     encoded = _notice(message)
@@ -140,6 +142,7 @@ def _read(
     notify: Any,
     gate: WriteGate | None,
 ) -> int:
+    timeout = checked_timeout(timeout)
     check_usable_here()
     region = RegionHandle.of(handle)
     dests = _destinations(into)

@@ -47,6 +47,7 @@ from raydirect._region_handle import RegionHandle, encode_meta
 from raydirect._region_serve import OpenRegion
 from raydirect._store import Serving, StoredObject, capability_of, store
 from raydirect._tensors import UNTRACKED, describe_all, flat_bytes
+from raydirect._timeouts import checked_timeout
 from raydirect.transports.registry import AUTO, check_name, registration, transport_instance
 
 # What readers may name: one-sided byte transports (the agent serves or the
@@ -94,6 +95,7 @@ class Region:
         state = self._state
         if state.on_notice is not None:
             raise ValueError(f"region {self.name!r} hands its notices to on_notice")
+        timeout = checked_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         with state.cond:
             while not state.inbox and not state.closed:
@@ -124,7 +126,7 @@ class Region:
             _revoke(state)
         live = state.obj.live
         assert live is not None
-        if not live.close(timeout):
+        if not live.close(checked_timeout(timeout)):
             raise TimeoutError(
                 f"region {self.name!r}: reads its agent is serving still copy from its memory "
                 f"after {timeout}s; it is closed to new reads. Call close() again before "

@@ -53,6 +53,7 @@ from raydirect._payload import PendingFetch, check_usable_here, get_deferred
 from raydirect._ranges import overlapping
 from raydirect._split import sparse_or_nested
 from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, unwritable
+from raydirect._timeouts import checked_timeout
 from raydirect.errors import RaydirectError, WeightSyncError
 
 Shard = Callable[[str, tuple[int, ...]], "tuple[int, int, int] | None"]
@@ -174,6 +175,7 @@ class WeightSubscriber:
         partly written, and ``sub.version`` stays.
         """
         check_usable_here()
+        timeout = checked_timeout(timeout)
         deadline = None if timeout is None else time.monotonic() + timeout
         ranks = self._handles(handles, timeout)
         version = self._version_of(ranks)

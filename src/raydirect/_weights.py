@@ -57,6 +57,7 @@ from raydirect._producer import put
 from raydirect._split import sparse_or_nested
 from raydirect._store import store
 from raydirect._tensors import DTYPE_NAMES, aligned_offsets, torch_dtype
+from raydirect._timeouts import checked_timeout
 from raydirect.errors import WeightSyncError
 from raydirect.transports.registry import AUTO, check_name
 
@@ -145,6 +146,7 @@ class WeightPublisher:
         ``WeightSyncError``. Once it returns, the source may be written in place."""
         if not isinstance(version, int) or isinstance(version, bool):
             raise TypeError(f"version must be an int, got {version!r}")
+        timeout = checked_timeout(timeout)
         with self._lock:
             if self._last is not None and version <= self._last:
                 raise WeightSyncError(
