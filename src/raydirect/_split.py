@@ -13,7 +13,7 @@ sparse, nested or quantized tensor rides in the Payload as itself, pickled by
 torch (through Ray's object store where it is large); a lazily conjugated or
 negated view travels as a resolved copy. Before, a large conjugated view
 arrived unconjugated, with nothing said, and the others failed in the producer
-X
+with torch's errors. Values are checked in bulk first (``_fits``: 0.65 ms for
 5,000 tensors) and split again, with care, only where one does not fit.
 """
 
@@ -73,8 +73,8 @@ _ODD_DTYPES = frozenset(
 
 
 class _Splitter(cloudpickle.CloudPickler):
-    """``careful``: leaves a tensor that cannot travel as its raw bytes in the
-    skeleton, and resolves a lazily conjugated or negated one."""
+    """``careful``: a tensor that cannot travel as its raw bytes rides in the
+    Payload as itself, and a lazily conjugated or negated one is resolved."""
 
     def __init__(self, file: io.BytesIO, only: type | None, careful: bool) -> None:
         super().__init__(file, protocol=5)
