@@ -148,6 +148,14 @@ class Producer:
         return make_value(case)
 
     @rd.method
+    def conj_of_written(self) -> torch.Tensor:
+        """A conjugated view of a tensor written before: its version counter is 1."""
+        base = torch.complex(torch.ones(1 << 16), torch.ones(1 << 16))
+        base.mul_(2)
+        self.kept["conj"] = base
+        return base.conj()
+
+    @rd.method
     def big(self, nbytes: int, fill: int) -> torch.Tensor:
         t = torch.empty(nbytes, dtype=torch.uint8)
         t.fill_(fill)

@@ -253,6 +253,17 @@ def test_wait_tensor_freed_knows_the_memory_not_the_tensor_object(pair, method):
     assert ray.get(p.wait_weight_freed.remote(30)) == "freed"
 
 
+def test_a_conjugated_view_arrives_resolved_and_warns_of_no_write(pair):
+    """It travels as a resolved copy; the copy's version counter is not the view's
+    (which is its base's, written before the return): no mutation is reported."""
+    p, _ = pair
+    ray.get(p.record_warnings.remote())
+    got = rd.get(p.conj_of_written.remote(), timeout=30)
+    assert not got.is_conj()
+    assert torch.equal(got, torch.full((1 << 16,), 2 - 2j, dtype=torch.complex64))
+    assert not [w for w in ray.get(p.recorded_warnings.remote()) if "modified in place" in w]
+
+
 def test_in_place_write_after_return_warns_when_sent(pair):
     p, c = pair
     ray.get(p.record_warnings.remote())

@@ -88,7 +88,8 @@ class _Splitter(cloudpickle.CloudPickler):
         kind = type(obj)
         if kind in _PLAIN:  # most of what a value holds: answered at once
             return None
-        found = self._seen.get(id(obj))
+        key = id(obj)
+        found = self._seen.get(key)
         if found is not None:
             return found
         if kind is torch.Tensor and self._only is None:  # the common case, no checks
@@ -105,8 +106,10 @@ class _Splitter(cloudpickle.CloudPickler):
             if _travels_whole(tensor):
                 return self._riding(obj)
             if tensor.is_conj() or tensor.is_neg():
-                tensor = tensor.resolve_conj().resolve_neg()
-        pid = self._seen[id(obj)] = len(self.tensors)
+                # The copy stands for the view as what the value held: the view's
+                # version counter is its base's, which may have moved before.
+                obj = tensor = tensor.resolve_conj().resolve_neg()
+        pid = self._seen[key] = len(self.tensors)
         self.originals.append(obj)
         self.tensors.append(tensor)
         return pid
