@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import ray
 import torch
+from torch.testing._internal.two_tensor import TwoTensor
 
 import raydirect as rd
 from raydirect.testing import mismatch, wait_read_counts
@@ -69,6 +70,7 @@ def make_value(case: str) -> Any:
             "coo": base.to_sparse(),
             "csr": base.to_sparse_csr(),
             "nested": torch.nested.nested_tensor([base[0], base[1, :5]]),
+            "wrapper": TwoTensor(base[2].clone(), base[3].clone()),  # computes its values
             "plain": base,
         }
         if case == "unusual":  # above the inline limit: under auto, a direct object

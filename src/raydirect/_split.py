@@ -9,12 +9,15 @@ identity is deduplicated here: the same tensor twice travels once and arrives
 as one tensor.
 
 A tensor travels as its raw bytes only where those bytes are its values. A
-sparse, nested or quantized tensor rides in the Payload as itself, pickled by
-torch (through Ray's object store where it is large); a lazily conjugated or
-negated view travels as a resolved copy. Before, a large conjugated view
-arrived unconjugated, with nothing said, and the others failed in the producer
-with torch's errors. Values are checked in bulk first (``_fits``: 0.65 ms for
-5,000 tensors) and split again, with care, only where one does not fit.
+sparse, nested or quantized tensor, and a subclass that computes its values
+(``__torch_dispatch__``: DTensor, float8 and other wrapper tensors), rides in
+the Payload as itself, pickled by torch (through Ray's object store where it
+is large); a lazily conjugated or negated view travels as a resolved copy.
+Before, a large conjugated view arrived unconjugated, with nothing said, a
+small wrapper tensor arrived as a plain tensor, and the others
+failed in the producer with torch's errors. Values are checked in bulk first
+(``_fits``: 0.65 ms for 5,000 tensors) and split again, with care, only where
+one does not fit; a subclass is checked as it is met.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ def _travels_whole(tensor: torch.Tensor) -> bool:
 
 
 _STRIDED = frozenset({torch.strided})
+_PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__  # what a subclass of its own inherits
 _ODD_DTYPES = frozenset(
     str(d).removeprefix("torch.")
     for d in vars(torch).values()
@@ -102,6 +106,10 @@ class _Splitter(cloudpickle.CloudPickler):
             tensor = as_tensor(obj)
             if tensor is None:
                 return None
+            if type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH:
+                # A subclass that computes its values (DTensor, a float8 or wrapper
+                # tensor): the memory behind data_ptr(), if any, is not them.
+                return self._riding(obj)
         if self._careful:
             if _travels_whole(tensor):
                 return self._riding(obj)
