@@ -274,3 +274,5 @@ def test_into_a_value_holding_conjugated_sparse_and_nested_tensors(pair):
         error
     )
     assert "[bytes moved]" not in error
+    error = ray.get(c.get_into_bad.remote([ref], {"wrapper": torch.empty(32)}))
+    assert "is a TwoTensor (a tensor subclass that computes its values)" in error, error

@@ -34,7 +34,7 @@ import torch
 
 from raydirect._payload import InlinePayload, Payload
 from raydirect._ranges import overlapping
-from raydirect._split import join, sparse_or_nested, state_dict_keys
+from raydirect._split import join, sparse_or_nested, state_dict_keys, travels_whole
 from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, unwritable
 from raydirect._tensors import (
     DTYPE_NAMES,
@@ -325,10 +325,9 @@ def _walk(shape: Any, into: Any, path: str, found: dict[int, Any]) -> None:
             _walk(part, target, f"{path}[{i}]", found)
         return
     if isinstance(shape, torch.Tensor):  # it rode in the Payload as itself (``_split``)
-        kind = sparse_or_nested(shape) or "quantized"
         raise TypeError(
-            f"{path}: the value's tensor there is a {kind} tensor, which travels whole "
-            "(pickled), not into a target; leave it out of into= or put None"
+            f"{path}: the value's tensor there is {travels_whole(shape)}, which travels "
+            "whole (pickled), not into a target; leave it out of into= or put None"
         )
     if hasattr(shape, "__dict__") and type(shape) is type(into):
         for name, part in vars(shape).items():

@@ -57,8 +57,19 @@ def _fits(tensors: list[torch.Tensor], metas: TensorMetas) -> bool:
     return not any([t.is_conj() or t.is_quantized for t in tensors])
 
 
-def _travels_whole(tensor: torch.Tensor) -> bool:
-    return sparse_or_nested(tensor) is not None or tensor.is_quantized
+def travels_whole(tensor: torch.Tensor) -> str | None:
+    """Why ``tensor`` rides in the Payload as itself rather than as its raw bytes
+    ("a sparse_coo tensor", "a TwoTensor, ..."), or None where they are its values."""
+    kind = sparse_or_nested(tensor)
+    if kind is not None:
+        return f"a {kind} tensor"
+    if tensor.is_quantized:
+        return "a quantized tensor"
+    if type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH:
+        # DTensor, a float8 or wrapper tensor: the memory behind data_ptr(), if
+        # any, is not its values.
+        return f"a {type(tensor).__name__} (a tensor subclass that computes its values)"
+    return None
 
 
 _STRIDED = frozenset({torch.strided})
@@ -107,11 +118,9 @@ class _Splitter(cloudpickle.CloudPickler):
             if tensor is None:
                 return None
             if type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH:
-                # A subclass that computes its values (DTensor, a float8 or wrapper
-                # tensor): the memory behind data_ptr(), if any, is not them.
-                return self._riding(obj)
+                return self._riding(obj)  # ``travels_whole``; only a subclass gets here
         if self._careful:
-            if _travels_whole(tensor):
+            if travels_whole(tensor):
                 return self._riding(obj)
             if tensor.is_conj() or tensor.is_neg():
                 # The copy stands for the view as what the value held: the view's
