@@ -17,6 +17,16 @@ import raydirect as rd
 from raydirect.testing import mismatch, wait_read_counts
 
 
+class Tagged(torch.Tensor):
+    """A subclass of its own, as a user's code may return."""
+
+
+def _tagged(t: torch.Tensor) -> Tagged:
+    made = t.as_subclass(Tagged)
+    made.tag = "kept"  # type: ignore[attr-defined]
+    return made
+
+
 def make_value(case: str) -> Any:
     """Deterministic values: the producer and the checker build the same one."""
     g = torch.Generator().manual_seed(7)
@@ -71,6 +81,7 @@ def make_value(case: str) -> Any:
             "csr": base.to_sparse_csr(),
             "nested": torch.nested.nested_tensor([base[0], base[1, :5]]),
             "wrapper": TwoTensor(base[2].clone(), base[3].clone()),  # computes its values
+            "tagged": _tagged(base[4].clone()),
             "plain": base,
         }
         if case == "unusual":  # above the inline limit: under auto, a direct object
@@ -118,6 +129,12 @@ def check_value(case: str, got: Any) -> str | None:
         problem = "the same tensor arrived as several tensors"
     if problem is None and case == "tied" and got["embed"] is not got["lm_head"]:
         problem = "the tied tensor arrived as two tensors"
+    if (
+        problem is None
+        and case.startswith("unusual")
+        and getattr(got["tagged"], "tag", 0) != "kept"
+    ):
+        problem = "the subclass's attribute did not arrive"
     return problem
 
 

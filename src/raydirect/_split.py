@@ -72,6 +72,25 @@ def travels_whole(tensor: torch.Tensor) -> str | None:
     return None
 
 
+def _own_subclass(obj: Any) -> bool:
+    return (
+        isinstance(obj, torch.Tensor)
+        and type(obj) is not torch.Tensor
+        and type(obj) is not torch.nn.Parameter
+        and type(obj).__torch_dispatch__ is _PLAIN_DISPATCH
+    )
+
+
+def _subclassed(tensor: Any, cls: type, state: dict[str, Any] | None) -> Any:
+    """``tensor`` as ``cls`` again (matching ``into=`` joins placeholders: as they are)."""
+    if not isinstance(tensor, torch.Tensor):
+        return tensor
+    made: Any = tensor.as_subclass(cls)
+    if state:
+        made.__dict__.update(state)
+    return made
+
+
 _STRIDED = frozenset({torch.strided})
 _PLAIN_DISPATCH = torch.Tensor.__torch_dispatch__  # what a subclass of its own inherits
 _ODD_DTYPES = frozenset(
@@ -119,6 +138,8 @@ class _Splitter(cloudpickle.CloudPickler):
                 return None
             if type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH:
                 return self._riding(obj)  # ``travels_whole``; only a subclass gets here
+            if _own_subclass(obj) and self._only is None:
+                return None  # ``reducer_override`` keeps its class around its bytes
         if self._careful:
             if travels_whole(tensor):
                 return self._riding(obj)
@@ -130,6 +151,15 @@ class _Splitter(cloudpickle.CloudPickler):
         self.originals.append(obj)
         self.tensors.append(tensor)
         return pid
+
+    def reducer_override(self, obj: Any) -> Any:
+        """A subclass of its own of ``torch.Tensor`` (not a Parameter, which the
+        metas say): its bytes travel as a plain tensor's, and the skeleton makes
+        it that class again, attributes and all. Before, it arrived as a plain
+        ``torch.Tensor``."""
+        if self._only is None and _own_subclass(obj):
+            return _subclassed, (obj.as_subclass(torch.Tensor), type(obj), obj.__dict__ or None)
+        return super().reducer_override(obj)
 
     def _riding(self, obj: Any) -> int:
         """``obj`` rides in the Payload as itself: a Ray handle, so that Ray's
