@@ -304,12 +304,14 @@ def _rebuild_inline(
     keys: list[int],
     packed: tuple[bytes, bytes],
 ) -> Any:
-    tensors, unpacked = _unpacked(packed)
-    metas: TensorMetas | None = unpacked
-    if token == _process.PROCESS_TOKEN:
+    tensors, metas = _unpacked(packed)
+    own = token == _process.PROCESS_TOKEN
+    if own:
         tensors = [_inline_original(k, t) for k, t in zip(keys, tensors, strict=True)]
-        metas = None  # the originals, whatever they are: described again if asked
-    payload = InlinePayload(obj_id, skeleton, handles, tensors, _Made(label), metas)
+    # In its own process, the originals, whatever they are: described again if asked.
+    payload = InlinePayload(
+        obj_id, skeleton, handles, tensors, _Made(label), None if own else metas
+    )
     if deferred.active:
         return PendingFetch(payload)
     if _fetcher is None:

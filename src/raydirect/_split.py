@@ -65,11 +65,15 @@ def travels_whole(tensor: torch.Tensor) -> str | None:
         return f"a {kind} tensor"
     if tensor.is_quantized:
         return "a quantized tensor"
-    if type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH:
-        # DTensor, a float8 or wrapper tensor: the memory behind data_ptr(), if
-        # any, is not its values.
+    if _computes_values(tensor):
         return f"a {type(tensor).__name__} (a tensor subclass that computes its values)"
     return None
+
+
+def _computes_values(tensor: torch.Tensor) -> bool:
+    """A subclass with its own ``__torch_dispatch__`` (DTensor, a float8 or wrapper
+    tensor): the memory behind its data_ptr(), if any, is not its values."""
+    return type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH
 
 
 def _own_subclass(obj: Any) -> bool:
@@ -77,7 +81,7 @@ def _own_subclass(obj: Any) -> bool:
         isinstance(obj, torch.Tensor)
         and type(obj) is not torch.Tensor
         and type(obj) is not torch.nn.Parameter
-        and type(obj).__torch_dispatch__ is _PLAIN_DISPATCH
+        and not _computes_values(obj)
     )
 
 
@@ -136,8 +140,8 @@ class _Splitter(cloudpickle.CloudPickler):
             tensor = as_tensor(obj)
             if tensor is None:
                 return None
-            if type(tensor).__torch_dispatch__ is not _PLAIN_DISPATCH:
-                return self._riding(obj)  # ``travels_whole``; only a subclass gets here
+            if _computes_values(tensor):
+                return self._riding(obj)  # only a subclass gets here
             if _own_subclass(obj) and self._only is None:
                 return None  # ``reducer_override`` keeps its class around its bytes
         if self._careful:
