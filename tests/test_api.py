@@ -205,6 +205,23 @@ def test_a_bad_timeout_is_refused_by_every_call_that_takes_one(pair, timeout, er
     assert check_value("dtypes", rd.get(ref, timeout=math.inf)) is None  # no limit
 
 
+def test_what_is_not_a_ref_or_a_tensor_is_refused_by_name(ray_session):
+    """rd.get(5) raised "'int' object is not iterable", and a dict of refs (a ref
+    passed as a direct argument arrives as its value) "rd.get of 1 refs takes
+    into= as a list"; wait_tensor_freed of a state dict returned at once."""
+    ref = rd.put(torch.ones(4))
+    for refs, got in ((5, "int"), (None, "NoneType"), ({"w": ref}, "dict")):
+        with pytest.raises(TypeError, match=rf"an ObjectRef or a list of them, got {got}"):
+            rd.get(refs)
+    with pytest.raises(TypeError, match=r"refs\[1\] is a str"):
+        rd.get([ref, "ref"])
+    with pytest.raises(TypeError, match="got dict"):
+        asyncio.run(rd.get_async({"w": ref}))
+    with pytest.raises(TypeError, match="takes one tensor .*got dict"):
+        rd.wait_tensor_freed({"w": torch.ones(4)}, timeout=0)
+    assert torch.equal(rd.get((ref,))[0], torch.ones(4))  # a tuple is a list of refs
+
+
 def test_unknown_transport_names_the_known_ones(pair):
     p, _ = pair
     with pytest.raises(rd.UnknownTransportError) as info:

@@ -7,6 +7,7 @@ import mmap
 import pytest
 import ray
 import torch
+from torch.testing._internal.two_tensor import TwoTensor
 
 import raydirect as rd
 
@@ -54,6 +55,8 @@ def _targets(**changes):
         (_targets(f32=torch.zeros(64, 32).to_sparse_csr()), "is a sparse_csr tensor"),
         (_targets(f32=torch.zeros(64, 32).to_sparse()), "is a sparse_coo tensor"),
         (_targets(f32=torch.nested.nested_tensor([torch.zeros(32)] * 64)), "is a nested tensor"),
+        # Its data_ptr() is 0: the kernel's write there failed ("Bad address"), shm's crashed.
+        (_targets(f32=TwoTensor(torch.zeros(64, 32), torch.zeros(64, 32))), "is a TwoTensor"),
     ],
     ids=[
         "shape",
@@ -69,6 +72,7 @@ def _targets(**changes):
         "sparse-csr",
         "sparse-coo",
         "nested",
+        "wrapper-subclass",
     ],
 )
 def test_mismatching_targets_are_refused_before_any_byte_moves(pair, targets, expected):

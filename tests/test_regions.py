@@ -37,6 +37,7 @@ from region_actors import (
     kv_rows,
     layer_value,
 )
+from torch.testing._internal.two_tensor import TwoTensor
 
 import raydirect as rd
 from raydirect import _region_rows
@@ -133,7 +134,10 @@ def test_every_block_of_every_layer(owner, reader):
 
 def test_rows_that_touch_on_both_sides_merge():
     rows = kv_rows([4, 5, 6, 9, 10, 3], [0, 1, 2, 4, 5, 7])
-    merged = _region_rows.checked_rows(rows, [BLOCKS * BLOCK_BYTES] * LAYERS, [1 << 20] * LAYERS)
+    apart_in_memory = [i << 21 for i in range(LAYERS)]
+    merged = _region_rows.checked_rows(
+        rows, [BLOCKS * BLOCK_BYTES] * LAYERS, [1 << 20] * LAYERS, apart_in_memory
+    )
     # Per layer: blocks 4-6 -> 0-2 (one row), 9-10 -> 4-5 (one), 3 -> 7 (one).
     assert len(merged) == 3 * LAYERS
     first = merged[merged[:, 0] == 0].tolist()
@@ -143,10 +147,12 @@ def test_rows_that_touch_on_both_sides_merge():
         [0, 9 * BLOCK_BYTES, 2 * BLOCK_BYTES, 0, 4 * BLOCK_BYTES],
     ]
     # Touching in the source only (5 -> 1, 6 -> 3): not merged.
-    apart = _region_rows.checked_rows(kv_rows([5, 6], [1, 3]), [1 << 20] * 3, [1 << 20] * 3)
+    apart = _region_rows.checked_rows(
+        kv_rows([5, 6], [1, 3]), [1 << 20] * 3, [1 << 20] * 3, apart_in_memory
+    )
     assert len(apart) == 2 * LAYERS
     # Empty rows are dropped.
-    assert len(_region_rows.checked_rows([[0, 0, 0, 0, 0]], [8], [8])) == 0
+    assert len(_region_rows.checked_rows([[0, 0, 0, 0, 0]], [8], [8], [0])) == 0
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -421,7 +427,54 @@ def _bad_cases() -> list:
         pytest.param(
             [good], torch.zeros(end // 4).to_sparse(), ValueError, "sparse_coo", id="sparse-dest"
         ),
+        # data_ptr() 0: cma's read failed "Bad address", shm's copy killed the reader (SIGSEGV)
+        pytest.param(
+            [good],
+            TwoTensor(torch.zeros(end // 4), torch.zeros(end // 4)),
+            ValueError,
+            "is a TwoTensor",
+            id="wrapper-dest",
+        ),
     ]
+
+
+def _aliased_cases() -> list:
+    """Two destinations over one memory, and rows writing one byte through both."""
+    one = torch.zeros(BLOCKS * BLOCK_ELEMS)
+    rows = [[1, 0, BLOCK_BYTES, 0, 0], [2, 0, 8, 1, BLOCK_BYTES - 8]]
+    return [
+        pytest.param(rows, [one, one], id="one-tensor-twice"),
+        pytest.param(
+            [rows[0], [2, 0, 8, 1, 0]], [one, one[BLOCK_ELEMS - 2 :]], id="overlapping-views"
+        ),
+        pytest.param(rows, [one.numpy(), one], id="numpy-and-tensor"),
+    ]
+
+
+@pytest.mark.parametrize(("rows", "dests"), _aliased_cases())
+def test_rows_writing_one_byte_through_two_destinations_are_refused(
+    owner, rows, dests, ray_session
+):
+    """Checked by destination alone, two rows writing the same bytes through two
+    destinations over one memory were read concurrently, the last to land unknown."""
+    handle = ray.get(owner.handle.remote())
+    received = rd.local_stats().bytes_received
+    with pytest.raises(ValueError, match="rows 0 and 1 write the same bytes.*share memory"):
+        rd.read_ranges(handle, rows, into=dests, timeout=30)
+    assert rd.local_stats().bytes_received == received
+    assert not any(torch.as_tensor(d).any() for d in dests)
+
+
+def test_one_memory_given_as_two_destinations_takes_rows_that_do_not_overlap(owner, ray_session):
+    handle = ray.get(owner.handle.remote())
+    one = torch.zeros(2 * BLOCK_ELEMS)
+    rows = [
+        [1, 3 * BLOCK_BYTES, BLOCK_BYTES, 0, 0],
+        [2, 5 * BLOCK_BYTES, BLOCK_BYTES, 1, BLOCK_BYTES],
+    ]
+    assert rd.read_ranges(handle, rows, into=[one, one], timeout=30) == 2 * BLOCK_BYTES
+    assert torch.equal(one[:BLOCK_ELEMS], layer_value(1)[3])
+    assert torch.equal(one[BLOCK_ELEMS:], layer_value(2)[5])
 
 
 @pytest.mark.parametrize(("rows", "dest", "error", "match"), _bad_cases())
@@ -460,6 +513,13 @@ def test_bad_transports_are_refused(owner, ray_session):
 def test_export_refuses_what_it_cannot_expose(ray_session):
     with pytest.raises(ValueError, match="not contiguous"):
         rd.export_region([torch.zeros(4, 4).t()])
+    # Each was exported: a reader got the conjugate's raw bytes, the wrapper's address 0.
+    with pytest.raises(ValueError, match="conjugated or negated view"):
+        rd.export_region({"c": torch.zeros(4, dtype=torch.complex64).conj()})
+    with pytest.raises(ValueError, match="is a TwoTensor"):
+        rd.export_region([TwoTensor(torch.zeros(4), torch.zeros(4))])
+    with pytest.raises(ValueError, match="is a sparse_coo tensor"):  # it said "not contiguous"
+        rd.export_region([torch.zeros(4).to_sparse()])
     with pytest.raises(ValueError, match="meta"):
         rd.export_region({"k": torch.empty(8, device="meta")})
     with pytest.raises(ValueError, match="at least one"):

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import pytest
 import ray
 import torch
+from torch.testing._internal.two_tensor import TwoTensor
 
 import raydirect as rd
 
@@ -188,25 +189,31 @@ def test_a_lazily_conjugated_or_negated_target_is_refused_before_a_byte_moves(ra
     assert sub.version is None and not backing.any()
 
 
-@pytest.mark.parametrize("kind", ["sparse_csr", "nested"])
-def test_a_sparse_or_nested_target_or_source_is_refused_by_name(ray_session, kind):
-    """Torch's own errors for such a target or source named no tensor ("Sparse CSR
-    tensors do not have is_contiguous", "copy_() between dense and sparse")."""
+@pytest.mark.parametrize("kind", ["sparse_csr", "nested", "TwoTensor"])
+def test_a_sparse_nested_or_wrapper_target_or_source_is_refused_by_name(ray_session, kind):
+    """Torch's own errors for a sparse or nested target or source named no tensor
+    ("Sparse CSR tensors do not have is_contiguous", "copy_() between dense and
+    sparse"). A wrapper subclass's data_ptr() is 0: a load into one failed midway
+    ("Bad address") with the target partly written, and a publisher of one
+    published its second tensor's values as its own."""
     pub = rd.WeightPublisher({"w": torch.ones(4, D), "b": torch.ones(D)}, depth=1)
     bias = torch.zeros(D)
     odd: torch.Tensor
     if kind == "sparse_csr":
         odd = torch.zeros(4, D).to_sparse_csr()
-    else:
+    elif kind == "nested":
         odd = torch.nested.nested_tensor([torch.zeros(D)] * 4)
-    with pytest.raises(rd.WeightSyncError, match=rf"'w': the target is a {kind} tensor"):
+    else:
+        odd = TwoTensor(torch.zeros(4, D), torch.zeros(4, D))
+    named = rf"a {kind} tensor" if kind != "TwoTensor" else r"a TwoTensor \(a tensor subclass"
+    with pytest.raises(rd.WeightSyncError, match=rf"'w': the target is {named}"):
         rd.WeightSubscriber({"w": odd, "b": bias})
-    with pytest.raises(rd.WeightSyncError, match=rf"'w' is a {kind} tensor: weight sync moves"):
+    with pytest.raises(rd.WeightSyncError, match=rf"'w' is {named}"):
         rd.WeightPublisher({"w": odd, "b": bias})
     target = {"w": torch.zeros(4, D), "b": bias}
     sub = rd.WeightSubscriber(target)
     assert sub.load(pub.publish(1), timeout=30) == 1
     target["w"] = odd  # swapped in between loads: the next load reads the target again
-    with pytest.raises(rd.WeightSyncError, match=rf"'w': the target is a {kind} tensor"):
+    with pytest.raises(rd.WeightSyncError, match=rf"'w': the target is {named}"):
         sub.load(pub.publish(2), timeout=30)
     assert sub.version == 1

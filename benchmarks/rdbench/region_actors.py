@@ -153,7 +153,11 @@ class RegionReader:
         rows = rows_for(ids)
         self.reads[nbytes] = (ids, rows, dests)
         sizes = [BLOCKS * BLOCK_BYTES] * LAYERS
-        return len(_region_rows.checked_rows(rows, sizes, [d.nbytes for d in dests]))
+        return len(
+            _region_rows.checked_rows(
+                rows, sizes, [d.nbytes for d in dests], [d.data_ptr() for d in dests]
+            )
+        )
 
     def setup_nixl(self, metadata: bytes, addresses: list[int], nbytes: int) -> None:
         """A NIXL READ of the same runs into the same blocks, prepared once (the

@@ -29,6 +29,7 @@ from raydirect._producer import export
 from raydirect._producer import put as put_payload
 from raydirect._split import join, split
 from raydirect._store import LocalStats, store
+from raydirect._tensors import as_tensor
 from raydirect._timeouts import checked_timeout
 from raydirect.errors import FetchTimeoutError, RaydirectError
 from raydirect.transports.base import WriteGate
@@ -229,7 +230,7 @@ def _get(
         raise TypeError("rd.get takes into= or device=, not both: into='s tensors are the device")
     dev = target_device(device)
     single = isinstance(refs, ray.ObjectRef)
-    ref_list = [refs] if single else list(refs)
+    ref_list = [refs] if single else _ref_list(refs)
     intos = _per_ref(into, single, len(ref_list))
     deadline = None if timeout is None else time.monotonic() + timeout
     with collector_paused():  # before the values arrive: while the producers export
@@ -335,6 +336,25 @@ def _fetch_all(
     return outcome.results
 
 
+def _ref_list(refs: Any) -> list[ray.ObjectRef]:
+    """``refs``, a list or tuple of ObjectRefs, as a list; ``TypeError`` naming
+    what is not one (a value where a ref was meant: Ray hands a method a ref
+    given as a direct argument as its value)."""
+    if not isinstance(refs, (list, tuple)):
+        raise TypeError(
+            f"rd.get takes an ObjectRef or a list of them, got {type(refs).__name__}. A ref "
+            "passed to a task or actor method as a direct argument arrives as its value; "
+            "pass it inside a list ([ref]) to receive the ref itself"
+        )
+    for i, ref in enumerate(refs):
+        if not isinstance(ref, ray.ObjectRef):
+            raise TypeError(
+                f"rd.get takes ObjectRefs, but refs[{i}] is a {type(ref).__name__}: pass the "
+                "refs that .remote() calls and rd.put returned"
+            )
+    return list(refs)
+
+
 def _per_ref(into: Any, single: bool, count: int) -> list[Any]:
     if into is None:
         return [None] * count
@@ -406,6 +426,11 @@ def _timeout_error(timeout: float | None, count: int, late: list[Any]) -> FetchT
 def wait_tensor_freed(tensor: Any, timeout: float | None = None) -> None:
     """In a producer: block until no live raydirect object holds ``tensor``, so it
     can be written in place safely. ``TimeoutError`` past ``timeout`` seconds."""
+    if as_tensor(tensor) is None:
+        raise TypeError(
+            "rd.wait_tensor_freed takes one tensor (torch, numpy or JAX), got "
+            f"{type(tensor).__name__}: wait on each tensor you will write in place"
+        )
     store.wait_tensor_freed(tensor, checked_timeout(timeout))
 
 

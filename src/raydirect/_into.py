@@ -34,7 +34,7 @@ import torch
 
 from raydirect._payload import InlinePayload, Payload
 from raydirect._ranges import overlapping
-from raydirect._split import join, sparse_or_nested, state_dict_keys, travels_whole
+from raydirect._split import join, not_dense, state_dict_keys, travels_whole
 from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, unwritable
 from raydirect._tensors import (
     DTYPE_NAMES,
@@ -346,10 +346,10 @@ def _check(target: Any, meta: TensorMeta, index: int) -> None:
         view = torch.from_numpy(target)
     elif isinstance(target, torch.Tensor):
         view = target
-        kind = sparse_or_nested(target)
+        kind = not_dense(target)
         if kind is not None:
             raise ValueError(
-                f"{_where(index)} is a {kind} tensor; into= writes dense tensors: pass one "
+                f"{_where(index)} is {kind}; into= writes dense tensors: pass one "
                 "(torch.empty(shape, dtype=...)) and convert it after the read"
             )
         if not target.is_contiguous():

@@ -39,7 +39,7 @@ from raydirect._payload import Payload, check_usable_here
 from raydirect._ranges import ByteViews, Ranges
 from raydirect._region_handle import RegionHandle
 from raydirect._region_rows import checked_rows
-from raydirect._split import sparse_or_nested
+from raydirect._split import not_dense
 from raydirect._store import store
 from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, unwritable
 from raydirect._timeouts import checked_timeout
@@ -146,7 +146,7 @@ def _read(
     check_usable_here()
     region = RegionHandle.of(handle)
     dests = _destinations(into)
-    table = checked_rows(rows, region.nbytes, [d.nbytes for d in dests])
+    table = checked_rows(rows, region.nbytes, [d.nbytes for d in dests], [d.address for d in dests])
     message = None if notify is None else _notice(notify)
     name = _checked_transport(forced, region)
     payload = _payload_of(region)
@@ -376,11 +376,9 @@ def _destination(value: Any, i: int) -> _Landing:
             f"destination {i} is on {value.device}: regions are read into host memory for "
             "now; read into a CPU tensor, then copy it over"
         )
-    kind = sparse_or_nested(value)
+    kind = not_dense(value)
     if kind is not None:
-        raise ValueError(
-            f"destination {i} is a {kind} tensor: rows land at byte offsets in a dense one"
-        )
+        raise ValueError(f"destination {i} is {kind}: rows land at byte offsets in a dense tensor")
     if value.is_quantized or not value.is_contiguous():
         raise ValueError(f"destination {i} is not contiguous: rows land at byte offsets in it")
     if value.is_conj() or value.is_neg():

@@ -13,6 +13,7 @@ merged into one, so a transport sees fewer, longer runs.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -22,11 +23,14 @@ _INT64_MAX = np.iinfo(np.int64).max
 _SORTED_IN_PYTHON = 512  # rows; more are sorted by numpy, which lets the GIL go (_order)
 
 
-def checked_rows(rows: Any, sources: Sequence[int], dests: Sequence[int]) -> np.ndarray:
+def checked_rows(
+    rows: Any, sources: Sequence[int], dests: Sequence[int], addresses: Sequence[int]
+) -> np.ndarray:
     """``rows`` as an ``(n, 5)`` int64 table, checked (``ValueError``/``TypeError``
     naming the first bad row), empty rows dropped, sorted by where they read and
     merged where they touch on both sides. ``sources``: the region's tensor sizes
-    in bytes; ``dests``: the destinations'."""
+    in bytes; ``dests``: the destinations'; ``addresses``: where each destination
+    starts in memory."""
     table = _table(rows)
     src, dst = np.asarray(sources, np.int64), np.asarray(dests, np.int64)
     if _out_of_bounds(table, src, dst):
@@ -35,6 +39,8 @@ def checked_rows(rows: Any, sources: Sequence[int], dests: Sequence[int]) -> np.
     if len(kept) < len(table):
         table = _rows(table, kept)
     _check_no_overlap(table, kept)
+    if _share_memory(addresses, dests):
+        _check_no_aliased_overlap(table, kept, np.asarray(addresses, np.int64))
     return _merged(table)
 
 
@@ -137,6 +143,33 @@ def _check_no_overlap(table: np.ndarray, ids: np.ndarray) -> None:
         raise ValueError(
             f"rows {a} and {b} write the same bytes of "
             f"destination {int(dest[k])}: give each byte of a destination one row"
+        )
+
+
+def _share_memory(addresses: Sequence[int], sizes: Sequence[int]) -> bool:
+    """Whether two destinations share a byte (one tensor given twice, or two
+    views of one buffer that overlap): rows into them may then write one byte
+    through two destinations, which ``_check_no_overlap`` does not see. Sorted
+    in Python, as ``_order`` sorts a few rows: a KV read has a destination per
+    layer, and numpy's sort would let the GIL go."""
+    spans = sorted((a, n) for a, n in zip(addresses, sizes, strict=True) if n > 0)
+    return any(b < a + n for (a, n), (b, _) in pairwise(spans))
+
+
+def _check_no_aliased_overlap(table: np.ndarray, ids: np.ndarray, bases: np.ndarray) -> None:
+    """``_check_no_overlap`` by address, where destinations share memory."""
+    where = bases[table[:, 3]] + table[:, 4]
+    order = np.argsort(where, kind="stable")
+    start, length = where[order], table[:, 2][order]
+    clash = start[1:] < start[:-1] + length[:-1]
+    if clash.any():
+        k = int(np.flatnonzero(clash)[0])
+        first, second = int(order[k]), int(order[k + 1])
+        a, b = sorted((int(ids[first]), int(ids[second])))
+        raise ValueError(
+            f"rows {a} and {b} write the same bytes, through destinations "
+            f"{int(table[first, 3])} and {int(table[second, 3])}, which share memory: give "
+            "each byte one row"
         )
 
 

@@ -45,6 +45,7 @@ from raydirect._payload import check_usable_here
 from raydirect._ranges import ByteViews
 from raydirect._region_handle import RegionHandle, encode_meta
 from raydirect._region_serve import OpenRegion
+from raydirect._split import not_dense
 from raydirect._store import Serving, StoredObject, capability_of, store
 from raydirect._tensors import UNTRACKED, describe_all, flat_bytes
 from raydirect._timeouts import checked_timeout
@@ -285,7 +286,19 @@ def _view_of(value: Any, key: str) -> torch.Tensor:
             f"tensor {key} is on {value.device}: regions expose host memory for now; "
             "export a CPU tensor"
         )
-    if value.layout != torch.strided or value.is_quantized or not value.is_contiguous():
+    kind = not_dense(value)
+    if kind is not None:
+        raise ValueError(
+            f"tensor {key} is {kind}: a region exposes memory as it lies, and rows count "
+            "bytes from a tensor's start; export a dense tensor"
+        )
+    if value.is_conj() or value.is_neg():
+        raise ValueError(
+            f"tensor {key} is a lazily conjugated or negated view (x.conj()): its bytes are "
+            "not the values it shows, and a region exposes bytes; export the tensor it views "
+            "(its readers conjugate what they read)"
+        )
+    if value.is_quantized or not value.is_contiguous():
         raise ValueError(
             f"tensor {key} is not contiguous: a region exposes memory as it lies, and rows "
             "count bytes from a tensor's start; export a contiguous tensor (or its base)"

@@ -36,13 +36,17 @@ from raydirect import _compression as compression
 from raydirect._tensors import TensorMetas, as_tensor, describe_all
 
 
-def sparse_or_nested(tensor: torch.Tensor) -> str | None:
-    """``"nested"``, or the sparse layout's name (``"sparse_csr"``...), of a tensor
-    whose elements are not one dense block of memory; None for a dense tensor."""
+def not_dense(tensor: torch.Tensor) -> str | None:
+    """Why the memory at ``tensor.data_ptr()`` is not its elements as one dense
+    block ("a sparse_csr tensor", "a nested tensor", "a TwoTensor (a tensor
+    subclass that computes its values)"), or None where it is. A wrapper
+    subclass's data_ptr() is 0: a transport writing there crashed the process."""
     if tensor.is_nested:
-        return "nested"
+        return "a nested tensor"
     if tensor.layout != torch.strided:
-        return str(tensor.layout).removeprefix("torch.")
+        return f"a {str(tensor.layout).removeprefix('torch.')} tensor"
+    if _computes_values(tensor):
+        return f"a {type(tensor).__name__} (a tensor subclass that computes its values)"
     return None
 
 
@@ -60,14 +64,9 @@ def _fits(tensors: list[torch.Tensor], metas: TensorMetas) -> bool:
 def travels_whole(tensor: torch.Tensor) -> str | None:
     """Why ``tensor`` rides in the Payload as itself rather than as its raw bytes
     ("a sparse_coo tensor", "a TwoTensor, ..."), or None where they are its values."""
-    kind = sparse_or_nested(tensor)
-    if kind is not None:
-        return f"a {kind} tensor"
     if tensor.is_quantized:
         return "a quantized tensor"
-    if _computes_values(tensor):
-        return f"a {type(tensor).__name__} (a tensor subclass that computes its values)"
-    return None
+    return not_dense(tensor)
 
 
 def _computes_values(tensor: torch.Tensor) -> bool:

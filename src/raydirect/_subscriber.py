@@ -51,7 +51,7 @@ from raydirect._layouts import (
 )
 from raydirect._payload import PendingFetch, check_usable_here, get_deferred
 from raydirect._ranges import overlapping
-from raydirect._split import sparse_or_nested
+from raydirect._split import not_dense
 from raydirect._target_checks import LAZY_VIEW, UNWRITABLE, unwritable
 from raydirect._timeouts import checked_timeout
 from raydirect.errors import RaydirectError, WeightSyncError
@@ -82,11 +82,9 @@ class _Targets:
         self.tensors = state_of(self._source, "target")
         self._held = [local_of(t) for t in self.tensors.values()]
         for name, held in zip(self.tensors, self._held, strict=True):
-            kind = sparse_or_nested(held)
+            kind = not_dense(held)
             if kind is not None:  # torch's own error (of data_ptr) names no tensor
-                raise WeightSyncError(
-                    f"{name!r}: the target is a {kind} tensor; loads write dense ones"
-                )
+                raise WeightSyncError(f"{name!r}: the target is {kind}; loads write dense tensors")
         self._places = _places(self._source, self.tensors)
         self._pointers = [t.data_ptr() for t in self._held]
 

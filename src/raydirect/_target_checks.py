@@ -1,7 +1,7 @@
 """What every receive checks of the memory it is told to write (``rd.get``'s
 ``into=``, a region read's destinations, a weight load's targets) before a byte
 moves: that this process can write it, and that the bytes written there are the
-values the tensor shows. Whether it is dense is ``_split.sparse_or_nested``,
+values the tensor shows. Whether it is dense is ``_split.not_dense``,
 which asks the same of what a producer sends."""
 
 from __future__ import annotations

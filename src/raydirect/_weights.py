@@ -54,7 +54,7 @@ from raydirect._layouts import (
     state_of,
 )
 from raydirect._producer import put
-from raydirect._split import sparse_or_nested
+from raydirect._split import not_dense
 from raydirect._store import store
 from raydirect._tensors import DTYPE_NAMES, aligned_offsets, torch_dtype
 from raydirect._timeouts import checked_timeout
@@ -108,11 +108,11 @@ class WeightPublisher:
         self._placement = placement
         state = state_of(source, "source")
         for name, tensor in state.items():  # torch's own errors name no tensor
-            kind = sparse_or_nested(local_of(tensor))
+            kind = not_dense(local_of(tensor))
             if kind is not None:
                 raise WeightSyncError(
-                    f"{name!r} is a {kind} tensor: weight sync moves dense tensors; publish "
-                    "a dense copy (t.to_dense()) or leave it out of the source"
+                    f"{name!r} is {kind}: weight sync moves dense tensors; publish a plain "
+                    "dense copy of it (t.to_dense() of a sparse one) or leave it out of the source"
                 )
         self._boxes_of(state)  # refuses what cannot be placed, now
         if shard_blocks is not None and (depth == 0 or not callable(shard_blocks)):
