@@ -530,6 +530,8 @@ def test_export_refuses_what_it_cannot_expose(ray_session):
         rd.export_region([torch.zeros(4)], tensor_transport="gloo")
     with pytest.raises(TypeError, match="on_notice"):
         rd.export_region([torch.zeros(4)], on_notice="print")
+    with pytest.raises(TypeError, match="huge_pages must be True or False, got 'no'"):
+        rd.export_region([torch.zeros(4)], huge_pages="no")  # it was truthy
     assert rd.local_stats().num_regions == 0
 
 

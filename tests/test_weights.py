@@ -337,6 +337,9 @@ def test_bad_arguments_are_refused_at_the_call(ray_session):
         pub.publish(3)
     with pytest.raises(TypeError, match="WeightsHandle"):
         rd.WeightSubscriber({"a": torch.zeros(2)}).load(object())  # type: ignore[arg-type]
+    # A string from a config was truthy: strict="false" was strict.
+    with pytest.raises(TypeError, match="strict must be True or False, got 'false'"):
+        rd.WeightSubscriber({"a": torch.zeros(2)}, strict="false")  # type: ignore[arg-type]
 
 
 def test_depth_zero_with_a_module_holds_its_parameters_until_the_handle_goes(ray_session):

@@ -199,6 +199,8 @@ def export_region(
         raise TypeError(f"on_notice must be a callable taking one message, got {on_notice!r}")
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a string, got {type(name).__name__}")
+    if not isinstance(huge_pages, bool):  # huge_pages="no" from a config moved them
+        raise TypeError(f"huge_pages must be True or False, got {huge_pages!r}")
     agent = _runtime.agent()
     obj = _stored(originals, views, name, transport)
     if huge_pages:

@@ -147,12 +147,14 @@ class WeightSubscriber:
     """
 
     def __init__(self, target: Any, *, shard: Shard | None = None, strict: bool = True) -> None:
+        if not isinstance(strict, bool):  # strict="false" from a config was strict
+            raise TypeError(f"strict must be True or False, got {strict!r}")
         self._targets = _Targets(target)
         if shard is not None and not callable(shard):
             raise TypeError(
                 f"shard must be a callable (name, global_shape) -> slice, got {shard!r}"
             )
-        self._shard, self._strict = shard, bool(strict)
+        self._shard, self._strict = shard, strict
         self._plans: dict[tuple[bytes, ...], Planned] = {}
         # Spreads the replicas this worker reads over their owners (see _plan.plan).
         self._worker = int.from_bytes(_process.PROCESS_TOKEN[:4], "little")
