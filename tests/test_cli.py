@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import urllib.request
@@ -177,3 +178,16 @@ def test_demo_runs_and_prints_a_checked_table():
     assert {"auto", "cma", "shm", "tcp", "ray object store"} <= systems
     assert all(float(rate) > 0 for _, _, rate, _ in rows)
     assert "Next:" in done.stdout
+
+
+def test_status_of_an_address_where_no_cluster_listens_says_so_at_once():
+    """Ray's own attempt at a closed port retried for more than ten minutes."""
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{closed.getsockname()[1]}"  # bound, never listening
+        run = subprocess.run(
+            [*CLI, "status", "--address", address], capture_output=True, text=True, timeout=120
+        )
+    assert run.returncode == 2, run.stderr
+    assert f"no Ray cluster at '{address}'" in run.stderr and "--address HOST:PORT" in run.stderr
+    assert "Traceback" not in run.stderr

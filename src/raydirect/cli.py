@@ -6,9 +6,12 @@ import argparse
 import json
 import logging
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
+
+_CONNECT_S = 5.0  # to a cluster's GCS port; a reachable one answers in milliseconds
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -22,7 +25,20 @@ def _status(args: argparse.Namespace) -> int:
 
     from raydirect._status import collect, format_table, totals
 
-    ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
+    unreachable = _unreachable(args.address)
+    if unreachable is None:
+        try:
+            ray.init(address=args.address, logging_level=logging.ERROR, log_to_driver=False)
+        except ConnectionError as exc:  # "auto" and no cluster: Ray's traceback said it
+            unreachable = str(exc).split(".")[0]
+    if unreachable is not None:
+        print(
+            f"raydirect status: no Ray cluster at {args.address!r} ({unreachable}). Start one "
+            "(ray start --head), or pass the head's address: --address HOST:PORT (the GCS "
+            "port `ray start --head` printed, 6379 by default) or RAY_ADDRESS",
+            file=sys.stderr,
+        )
+        return 2
     status = collect()
     if args.json:
         out = {
@@ -34,6 +50,19 @@ def _status(args: argparse.Namespace) -> int:
     else:
         print(format_table(status))
     return 0
+
+
+def _unreachable(address: str) -> str | None:
+    """Why nothing answers at a ``HOST:PORT`` address, or None (other forms are
+    Ray's to resolve). Ray's own attempt at a closed port retried for minutes."""
+    host, _, port = address.rpartition(":")
+    if not host or "://" in address or not port.isdigit():
+        return None
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=_CONNECT_S):
+            return None
+    except OSError as exc:
+        return exc.strerror or str(exc) or type(exc).__name__
 
 
 def _bench(args: argparse.Namespace) -> int:
