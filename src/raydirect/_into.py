@@ -350,7 +350,8 @@ def _check(target: Any, meta: TensorMeta, index: int) -> None:
         if kind is not None:
             raise ValueError(
                 f"{_where(index)} is {kind}; into= writes dense tensors: pass one "
-                "(torch.empty(shape, dtype=...)) and convert it after the read"
+                "(torch.empty(shape, dtype=...)) and convert it after the read (DTensors: "
+                "rd.WeightSubscriber writes their local shards)"
             )
         if not target.is_contiguous():
             raise ValueError(
