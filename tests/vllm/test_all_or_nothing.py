@@ -548,3 +548,57 @@ def test_a_failure_inside_the_load_is_reported_as_such(tp2_engine: Any) -> None:
     after = _stepped(model, 1.1)
     trainer.send_weights()
     assert _serves(tp2_engine, after) < LOGPROB_TOLERANCE
+
+
+def test_stray_session_calls_leave_a_tp2_engine_usable(tp2_engine: Any) -> None:
+    """vLLM refuses, on every worker, a finish or an update without an update
+    session and a start while one is open; its executor read the first worker's
+    error and left the second's reply queued, so every later call read the reply
+    of the call before: one replayed or retried HTTP call made the engine useless
+    until restarted. Now the last worker alone raises vLLM's error: each call is
+    refused, the sessions are as they were, and a trainer's next update lands."""
+    _still_updates(tp2_engine, seed=63)  # a trainer's init on every worker
+    client = RayVLLMWeightSyncClient([tp2_engine])
+    with pytest.raises(ray.exceptions.RayTaskError, match="without a matching start"):
+        client.finish_weight_update()  # a finish replayed, or retried after it landed
+    assert _sessions_open(tp2_engine) == [False, False]  # read before: the finish's error
+    with pytest.raises(ray.exceptions.RayTaskError, match="must be called before update_weights"):
+        client.update_weights({})
+    assert _sessions_open(tp2_engine) == [False, False]
+    client.start_weight_update()
+    with pytest.raises(ray.exceptions.RayTaskError, match="already active"):
+        client.start_weight_update()
+    assert _sessions_open(tp2_engine) == [True, True]
+    client.finish_weight_update()
+    assert _sessions_open(tp2_engine) == [False, False]
+    _still_updates(tp2_engine, seed=64)
+
+
+def test_a_finish_replayed_during_a_tp2_update_leaves_the_engine_usable(tp2_engine: Any) -> None:
+    """A finish replayed while a trainer's update is undecided ends its session on
+    every worker; the trainer's own finish, after it, was refused on every worker,
+    and the engine's replies stayed misaligned (docs/vllm.md said: restart it).
+    Now the update is said not to be applied, the version stays, and the next
+    update of the same trainer lands."""
+    model = random_llama(seed=65)
+    trainer = _trainer([tp2_engine], ModuleSource(model))
+    trainer.send_weights()
+    version = _version(tp2_engine)
+    client = trainer._round.client
+    update = client.update_weights
+
+    def replayed(info: Any) -> None:
+        update(info)
+        RayVLLMWeightSyncClient([tp2_engine]).finish_weight_update()
+
+    client.update_weights = replayed
+    try:
+        with pytest.raises(rd.WeightSyncError, match="was not applied"):
+            trainer.send_weights()
+    finally:
+        client.update_weights = update
+    assert _version(tp2_engine) == version
+    assert _sessions_open(tp2_engine) == [False, False]
+    after = _stepped(model, 1.1)
+    trainer.send_weights()
+    assert _serves(tp2_engine, after) < LOGPROB_TOLERANCE

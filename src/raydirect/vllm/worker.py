@@ -19,12 +19,12 @@ executor, on a worker's error, leaves the later workers' replies queued for the
 next call (every later call would then read the previous one's replies). So
 phase-one refusals and phase-two failures go to the trainer through the mailbox,
 and an error only this worker can report (a refused init) is gathered from every
-worker of the engine and raised by the last one.
+worker of the engine and raised by the last one. vLLM's own session checks are
+made to raise the same way (``sessions``).
 """
 
 from __future__ import annotations
 
-import gc
 import logging
 import secrets
 import sys
@@ -51,7 +51,7 @@ from vllm.model_executor.model_loader.reload.layerwise import (
 )
 
 import raydirect as rd
-from raydirect.vllm import cluster
+from raydirect.vllm import cluster, sessions
 from raydirect.vllm.landing import Survey, survey, unread_problems
 from raydirect.vllm.mailbox import DROPPED
 from raydirect.vllm.receiving import Pending
@@ -156,6 +156,7 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         self._pending: Pending | None = None  # the version of the open session
         self._previous: Pending | None = None  # an aborted one maybe still receiving
         self._open = False  # vLLM's update session: started, not yet finished
+        self._guarded = False  # vLLM's session checks raise on the last worker alone
         self.last_update: dict[str, Any] = {}  # seconds per phase, bytes received
 
     # ----------------------------------------------------------------- init
@@ -174,6 +175,10 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         _raise_once("init_weight_transfer_engine", _everyone(error))
 
     def _init(self, fields: dict[str, Any]) -> None:
+        if not self._guarded:  # once: finding the worker walks the garbage collector's objects
+            self._guarded = True
+            rank, size, _group = _world()
+            sessions.guard(sessions.vllm_worker_of(self), last=rank == size - 1)
         trainer = cluster.Trainer.of(fields)
         namespace = cluster.join(trainer)
         self._mailbox = cluster.mailbox(trainer, namespace)
@@ -208,15 +213,10 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         (this engine's part drops what it received)."""
         if not self._open:
             return
-        for holder in gc.get_referrers(self):
-            if isinstance(holder, dict) and holder.get("weight_transfer_engine") is self:
-                for worker in gc.get_referrers(holder):
-                    if getattr(worker, "__dict__", None) is holder and hasattr(
-                        worker, "finish_weight_update"
-                    ):
-                        log.warning("raydirect: closing an update session left open")
-                        worker.finish_weight_update()
-                        return
+        worker = sessions.vllm_worker_of(self)
+        if worker is not None:
+            log.warning("raydirect: closing an update session left open")
+            worker.finish_weight_update()
 
     # ----------------------------------------------------------------- phase one
 
