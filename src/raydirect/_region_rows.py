@@ -38,9 +38,8 @@ def checked_rows(
     kept = np.flatnonzero(table[:, 2] > 0)
     if len(kept) < len(table):
         table = _rows(table, kept)
-    _check_no_overlap(table, kept)
-    if _share_memory(addresses, dests):
-        _check_no_aliased_overlap(table, kept, np.asarray(addresses, np.int64))
+    shared = _share_memory(addresses, dests)
+    _check_no_overlap(table, kept, np.asarray(addresses, np.int64) if shared else None)
     return _merged(table)
 
 
@@ -130,47 +129,43 @@ def _shown(sizes: np.ndarray) -> str:
     return listed + (", ..." if len(sizes) > 8 else "")
 
 
-def _check_no_overlap(table: np.ndarray, ids: np.ndarray) -> None:
+def _check_no_overlap(table: np.ndarray, ids: np.ndarray, bases: np.ndarray | None) -> None:
     """Refuse rows writing the same destination bytes: reads run concurrently,
-    and which one would land last is not defined."""
-    order = _order(table[:, 3], table[:, 4])
-    dest, at, length = table[:, 3][order], table[:, 4][order], table[:, 2][order]
-    clash = (dest[1:] == dest[:-1]) & (at[1:] < at[:-1] + length[:-1])
+    and which one would land last is not defined. By destination and offset; by
+    address where destinations share memory (``bases``: where each starts)."""
+    if bases is None:
+        order = _order(table[:, 3], table[:, 4])
+        dest, at = table[:, 3][order], table[:, 4][order]
+        clash = dest[1:] == dest[:-1]
+    else:
+        where = bases[table[:, 3]] + table[:, 4]
+        order = np.argsort(where, kind="stable")
+        dest, at = table[:, 3][order], where[order]
+        clash = np.ones(max(len(at) - 1, 0), bool)  # one memory: any two may overlap
+    length = table[:, 2][order]
+    clash &= at[1:] < at[:-1] + length[:-1]
     if clash.any():
         k = int(np.flatnonzero(clash)[0])
         rows = np.arange(len(table))[order]
         a, b = sorted((int(ids[rows[k]]), int(ids[rows[k + 1]])))
-        raise ValueError(
-            f"rows {a} and {b} write the same bytes of "
-            f"destination {int(dest[k])}: give each byte of a destination one row"
+        first, second = int(dest[k]), int(dest[k + 1])
+        where_said = (
+            f"of destination {first}: give each byte of a destination one row"
+            if first == second
+            else f"through destinations {first} and {second}, which share memory: give each "
+            "byte one row"
         )
+        raise ValueError(f"rows {a} and {b} write the same bytes {where_said}")
 
 
 def _share_memory(addresses: Sequence[int], sizes: Sequence[int]) -> bool:
     """Whether two destinations share a byte (one tensor given twice, or two
     views of one buffer that overlap): rows into them may then write one byte
-    through two destinations, which ``_check_no_overlap`` does not see. Sorted
-    in Python, as ``_order`` sorts a few rows: a KV read has a destination per
-    layer, and numpy's sort would let the GIL go."""
+    through two destinations, which the check by destination does not see.
+    Sorted in Python, as ``_order`` sorts a few rows: a KV read has a
+    destination per layer, and numpy's sort would let the GIL go."""
     spans = sorted((a, n) for a, n in zip(addresses, sizes, strict=True) if n > 0)
     return any(b < a + n for (a, n), (b, _) in pairwise(spans))
-
-
-def _check_no_aliased_overlap(table: np.ndarray, ids: np.ndarray, bases: np.ndarray) -> None:
-    """``_check_no_overlap`` by address, where destinations share memory."""
-    where = bases[table[:, 3]] + table[:, 4]
-    order = np.argsort(where, kind="stable")
-    start, length = where[order], table[:, 2][order]
-    clash = start[1:] < start[:-1] + length[:-1]
-    if clash.any():
-        k = int(np.flatnonzero(clash)[0])
-        first, second = int(order[k]), int(order[k + 1])
-        a, b = sorted((int(ids[first]), int(ids[second])))
-        raise ValueError(
-            f"rows {a} and {b} write the same bytes, through destinations "
-            f"{int(table[first, 3])} and {int(table[second, 3])}, which share memory: give "
-            "each byte one row"
-        )
 
 
 def _merged(table: np.ndarray) -> np.ndarray:
