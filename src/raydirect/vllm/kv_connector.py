@@ -35,26 +35,30 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import torch
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
-    KVConnectorHandshakeMetadata,
-    KVConnectorMetadata,
-    KVConnectorRole,
-)
-from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
-from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
-from vllm.v1.request import RequestStatus
 
-from raydirect.vllm import kv_worker
-from raydirect.vllm.kv_handoff import (
-    READ_MARGIN_S,
-    Handoff,
-    Handshake,
-    KVMetadata,
-    Read,
-    handoff_params,
-)
+from raydirect.vllm.versions import needed_by
+
+with needed_by("raydirect's KV connector"):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        KVConnectorHandshakeMetadata,
+        KVConnectorMetadata,
+        KVConnectorRole,
+    )
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    from vllm.v1.request import RequestStatus
+
+    from raydirect.vllm import kv_worker
+    from raydirect.vllm.kv_handoff import (
+        READ_MARGIN_S,
+        Handoff,
+        Handshake,
+        KVMetadata,
+        Read,
+        handoff_params,
+    )
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -251,6 +255,14 @@ class RaydirectConnector(KVConnectorBase_V1):
     per process role: the scheduler's, and one per worker."""
 
     _cache_hit_source = CacheHitSource.P2P
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """False (vLLM 0.33 asks, and refuses ``enable_sleep_mode`` then): a sleep
+        remaps the KV caches, and the region exported at ``register_kv_caches``
+        would name memory the engine no longer uses. Regions are not re-exported
+        on wake yet."""
+        return False
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig

@@ -13,6 +13,7 @@ engine worker can still read its tensors, and within ``timeout`` in all.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -31,7 +32,16 @@ import raydirect as rd
 from raydirect.vllm.mailbox import RaydirectMailbox
 from raydirect.vllm.plugin import BACKEND
 from raydirect.vllm.rounds import Round, drive, reserve_for_closing
-from raydirect.vllm.sources import ShardedModuleSource
+from raydirect.vllm.sources import (
+    ShardedModuleSource,
+    local_pieces,
+    metadata_of,
+    placements_by_name,
+    tensors_of,
+)
+
+# vLLM 0.33's trainer engine is told its rank (0.32's reads every rank as 0).
+RANKED_TRAINER = "rank" in inspect.signature(TrainerWeightTransferEngine.__init__).parameters
 
 
 @dataclass
@@ -118,10 +128,15 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
         is_sender: bool = True,
         info: RaydirectTrainerInitInfo | None = None,
     ) -> None:
-        super().__init__(client=client, source=source, is_sender=is_sender)
         self.info = info or RaydirectTrainerInitInfo(rank=0)
+        ranked = {"rank": self.info.rank} if RANKED_TRAINER else {}  # vLLM 0.33 takes it
+        super().__init__(client=client, source=source, is_sender=is_sender, **ranked)
         self.version = 0
-        sharded = isinstance(source, ShardedModuleSource)
+        # vLLM 0.33's sources over a sharded model yield each rank's pieces, which
+        # their metadata places: every rank publishes its own (so with
+        # ShardedModuleSource on 0.32, whose DTensors say where they lie).
+        self.local = source is not None and local_pieces(source)
+        sharded = isinstance(source, ShardedModuleSource) or self.local
         # A gathering source gives every rank the whole model: rank 0 alone publishes.
         self.publishes = sharded or self.info.rank == 0
         self.ranks = _world() if sharded else 1
@@ -204,20 +219,23 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
         a collective); a rank that does not publish keeps none of them."""
         assert self.source is not None
         if not self.publishes:
-            for _name, _tensor in self.source:
+            for _name, _tensor in tensors_of(self.source, self.local):
                 pass
             return
         self._state.clear()
-        self._state.update(self.source)
+        self._state.update(tensors_of(self.source, self.local))
 
     def _publish(self, version: int) -> rd.WeightsHandle:
         if self._publisher is None:
+            assert self.source is not None
             dtype = None if self.info.dtype is None else getattr(torch, self.info.dtype)
+            spots = placements_by_name(self.source, self.info.rank) if self.local else {}
             self._publisher = rd.WeightPublisher(
                 self._state,
                 depth=0 if dtype is None else 1,
                 dtype=dtype,
                 tensor_transport=self.info.tensor_transport,
+                placement=(lambda name, _shape: spots.get(name)) if self.local else None,
             )
         return self._publisher.publish(version, timeout=self.info.timeout)
 
@@ -228,7 +246,7 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
         devices = {_local(t).device.type for t in self._state.values()}
         error = f"version {version} was not applied: the update was interrupted"
         try:
-            error = drive(self._round, version, self.source.metadata(), devices, deadline)
+            error = drive(self._round, version, metadata_of(self.source), devices, deadline)
         except Exception as exc:  # the mailbox or Ray itself failed: say so, everywhere
             error = f"version {version} was not applied: {type(exc).__name__}: {exc}"
         finally:  # the other ranks wait for it, and engines refuse other trainers until it

@@ -35,24 +35,28 @@ from typing import Any, cast
 import ray
 import torch
 import torch.distributed as dist
-from vllm.distributed.parallel_state import get_world_group
-from vllm.distributed.weight_transfer.base import (
-    WeightTransferEngine,
-    WeightTransferInitInfo,
-    WeightTransferUpdateInfo,
-)
-from vllm.model_executor.model_loader.reload import (
-    finalize_layerwise_reload,
-    initialize_layerwise_reload,
-)
-from vllm.model_executor.model_loader.reload.layerwise import (
-    _layerwise_process,
-    get_layerwise_info,
-)
 
 import raydirect as rd
 from raydirect.vllm import cluster, sessions
-from raydirect.vllm.landing import Survey, survey, unread_problems
+from raydirect.vllm.versions import needed_by
+
+with needed_by("raydirect's weight-transfer backend"):
+    from vllm.distributed.parallel_state import get_world_group
+    from vllm.distributed.weight_transfer.base import (
+        WeightTransferEngine,
+        WeightTransferInitInfo,
+        WeightTransferUpdateInfo,
+    )
+    from vllm.model_executor.model_loader.reload import (
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+    from vllm.model_executor.model_loader.reload.layerwise import (
+        _layerwise_process,
+        get_layerwise_info,
+    )
+
+    from raydirect.vllm.landing import Survey, survey, unread_problems
 from raydirect.vllm.mailbox import DROPPED
 from raydirect.vllm.receiving import Pending
 from raydirect.vllm.staging import Receiver
