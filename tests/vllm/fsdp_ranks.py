@@ -45,16 +45,22 @@ class Rank:
 
     def break_source(self) -> None:
         """This rank's source raises the next time it is read."""
+        import functools
+
         from vllm.distributed.weight_transfer.base import WeightSource
+
+        from raydirect.vllm import ParamMetas
+        from raydirect.vllm.sources import metadata_of
 
         source, rank = self.engine.source, self.rank
 
         class Broken(WeightSource):
-            def metadata(self) -> Any:
-                return source.metadata()
+            metadata = functools.cached_property(lambda _self: ParamMetas(metadata_of(source)))
 
             def __iter__(self) -> Any:
                 raise RuntimeError(f"rank {rank}'s source is broken")
+
+            iter_full = iter_local = __iter__
 
         self.engine.source = Broken()
 

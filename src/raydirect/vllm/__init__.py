@@ -20,6 +20,7 @@ from typing import Any
 from raydirect.vllm.plugin import register
 
 __all__ = [
+    "ParamMetas",
     "RaydirectTrainerInitInfo",
     "RaydirectTrainerWeightTransferEngine",
     "RaydirectWeightTransferEngine",
@@ -31,13 +32,13 @@ register()
 
 _missing: dict[str, str] = {}
 try:
-    from raydirect.vllm.sources import ShardedModuleSource
+    from raydirect.vllm.sources import ParamMetas, ShardedModuleSource
     from raydirect.vllm.trainer import (
         RaydirectTrainerInitInfo,
         RaydirectTrainerWeightTransferEngine,
     )
 except (ImportError, TypeError, AttributeError) as exc:  # this vLLM's weight-transfer API
-    for _name in ("ShardedModuleSource", "RaydirectTrainerInitInfo"):
+    for _name in ("ParamMetas", "ShardedModuleSource", "RaydirectTrainerInitInfo"):
         _missing[_name] = f"{type(exc).__name__}: {exc}"
     _missing["RaydirectTrainerWeightTransferEngine"] = _missing["RaydirectTrainerInitInfo"]
 try:

@@ -25,6 +25,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+import raydirect as rd
+from raydirect.vllm.versions import SUPPORTED, installed
+
 log = logging.getLogger(__name__)
 
 _GUARDED = "_raydirect_session_guard"
@@ -63,13 +66,22 @@ def vllm_worker_of(engine: Any) -> Any:
 
 def guard(worker: Any, last: bool) -> None:
     """Has ``worker`` (``last``: the engine's last worker) refuse a call that does
-    not match its session as described above. Once per worker."""
-    if (
-        worker is None
-        or getattr(worker, _GUARDED, False)
-        or not hasattr(worker, "_weight_update_active")
-    ):
-        return  # not the vLLM this was written against: its own checks stand
+    not match its session as described above. Once per worker. Raises
+    ``rd.WeightSyncError`` naming the supported vLLM range where this vLLM's worker
+    is not found or keeps no session flag: a guard that did nothing there left a
+    TP engine reading its previous call's replies after one stray call."""
+    if worker is None or not hasattr(worker, "_weight_update_active"):
+        what = (
+            "no vLLM worker holds this engine"
+            if worker is None
+            else (f"vLLM's {type(worker).__name__} has no _weight_update_active")
+        )
+        raise rd.WeightSyncError(
+            f"{what}: raydirect's weight backend needs vLLM {SUPPORTED}'s worker "
+            f"(this is vLLM {installed()}); install a supported vLLM"
+        )
+    if getattr(worker, _GUARDED, False):
+        return
     for name, refused in _REFUSED.items():
         method = getattr(worker, name, None)
         if method is not None:

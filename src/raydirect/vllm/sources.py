@@ -74,6 +74,23 @@ def tensors_of(source: WeightSource, local: bool) -> Iterator[tuple[str, torch.T
     )
 
 
+def resharded(module: torch.nn.Module) -> None:
+    """FSDP2 leaves parameters unsharded after a forward without backward (or with
+    ``reshard_after_forward=False``): resharding first makes each parameter its
+    rank's shard again, so the rank publishes only that (and what its source's
+    metadata places)."""
+    for sub in module.modules():
+        reshard = getattr(sub, "reshard", None)
+        if callable(reshard) and type(sub).__name__.startswith("FSDP"):
+            reshard()
+
+
+def module_of(source: WeightSource) -> torch.nn.Module | None:
+    """The module a module source reads (ours, or vLLM's ``ModuleSource``)."""
+    module = getattr(source, "_module", None)
+    return module if isinstance(module, torch.nn.Module) else None
+
+
 class ShardedModuleSource(WeightSource):
     """``module.named_parameters()`` as this rank holds them. Where vLLM 0.32's
     ``ModuleSource`` calls ``full_tensor()`` on every FSDP2/DTensor parameter (an
@@ -99,21 +116,12 @@ class ShardedModuleSource(WeightSource):
             ParamMeta(name, p.dtype, tuple(p.shape)) for name, p in self._module.named_parameters()
         )
 
-    def _resharded(self) -> None:
-        # FSDP2 leaves parameters unsharded after a forward without backward (or with
-        # reshard_after_forward=False); resharding first makes each parameter its
-        # rank's shard again, so the rank publishes only that.
-        for sub in self._module.modules():
-            reshard = getattr(sub, "reshard", None)
-            if callable(reshard) and type(sub).__name__.startswith("FSDP"):
-                reshard()
-
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._resharded()
+        resharded(self._module)
         yield from self._module.named_parameters()
 
     def iter_local(self) -> Iterator[tuple[str, torch.Tensor]]:
-        self._resharded()
+        resharded(self._module)
         vllms: Any = ModuleSource(self._module)  # 0.33's, which has iter_local
         yield from vllms.iter_local()
 

@@ -36,7 +36,9 @@ from raydirect.vllm.sources import (
     ShardedModuleSource,
     local_pieces,
     metadata_of,
+    module_of,
     placements_by_name,
+    resharded,
     tensors_of,
 )
 
@@ -223,6 +225,9 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
                 pass
             return
         self._state.clear()
+        module = module_of(self.source)
+        if self.local and module is not None:  # pieces as the metadata placed them
+            resharded(module)
         self._state.update(tensors_of(self.source, self.local))
 
     def _publish(self, version: int) -> rd.WeightsHandle:
