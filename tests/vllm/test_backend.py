@@ -31,9 +31,9 @@ from raydirect.vllm import RaydirectTrainerInitInfo
 IDS = prompt(24, 3)
 
 
-def _trainer(engines: list[Any], source: WeightSource) -> Any:
+def _trainer(engines: list[Any], source: WeightSource, **info: Any) -> Any:
     return WeightTransferTrainerFactory.trainer_init(
-        RaydirectTrainerInitInfo(rank=0, timeout=120),
+        RaydirectTrainerInitInfo(rank=0, timeout=120, **info),
         client=RayVLLMWeightSyncClient(engines),
         source=source,
     )
@@ -68,7 +68,7 @@ def _last_updates(engine: Any) -> list[dict[str, Any]]:
 
 def test_repeated_updates_match_hugging_face(engine: Any) -> None:
     model = random_llama(seed=11)
-    trainer = _trainer([engine], ModuleSource(model))
+    trainer = _trainer([engine], ModuleSource(model), keep_staging=True)
     for step in range(3):
         with torch.no_grad():
             for p in model.parameters():
@@ -102,6 +102,47 @@ def _poison_landed() -> Any:
         return poisoned
 
     return poison
+
+
+def _staging(engine: Any) -> list[tuple[int, int]]:
+    """Each worker's staging: the bytes its receivers' memory holds, and what
+    ``staging_bytes`` says they allocate (0, 0 where none is kept)."""
+
+    def staged(worker: Any) -> tuple[int, int]:
+        from raydirect.vllm.staging import staging_bytes
+
+        wte = worker.weight_transfer_engine
+        held = {
+            t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+            for r in wte._receivers.values()
+            for t in r.memory()
+        }
+        said = sum(staging_bytes(p.published, p.survey) for p in wte._plans.values())
+        return sum(held.values()), said if wte._receivers else 0
+
+    return ray.get(engine.collective_rpc.remote(staged), timeout=60)
+
+
+def test_staging_is_freed_after_an_update_unless_kept(engine: Any) -> None:
+    """By default a worker's staging goes once the update has loaded (the memory is
+    the engine's again); with keep_staging it stays for the next update, and the
+    check of free memory before phase one counts exactly what it allocates."""
+    model = random_llama(seed=14)
+    freeing = _trainer([engine], ModuleSource(model))
+    freeing.send_weights()
+    freeing.shutdown()
+    assert _staging(engine) == [(0, 0)]
+    assert _serves(engine, _state(model)) < LOGPROB_TOLERANCE
+    kept = _trainer([engine], ModuleSource(model), keep_staging=True, name="kept")
+    kept.send_weights()
+    [(held, said)] = _staging(engine)
+    own = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert held == said and 0 < held <= own, (held, said, own)
+    kept.send_weights()
+    assert _serves(engine, _state(model)) < LOGPROB_TOLERANCE
+    kept.shutdown()
+    with pytest.raises(TypeError, match="keep_staging is True or False, got 'false'"):
+        RaydirectTrainerInitInfo(rank=0, keep_staging="false")  # type: ignore[arg-type]
 
 
 def test_two_engines_one_client_and_tensor_parallel_slices(engine: Any, tp2_engine: Any) -> None:

@@ -1,6 +1,7 @@
 """Robust to vLLM drift (raydirect.vllm.versions, plugin, sessions): each part of
 the plug-in registers on its own, a moved vLLM internal fails naming the
-supported range, and the session guard never turns silently into a no-op."""
+supported range, the session guard never turns silently into a no-op; and
+staging that does not fit is refused before a byte moves."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import logging
 from typing import Any
 
 import pytest
+import torch
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
 
 import raydirect as rd
-from raydirect.vllm import ParamMetas, plugin, sessions, versions
+from raydirect.vllm import ParamMetas, plugin, sessions, staging, versions
 
 
 def test_this_vllm_is_in_the_range() -> None:
@@ -55,3 +57,11 @@ def test_metadata_serves_both_apis() -> None:
 def test_the_session_guard_refuses_a_vllm_it_cannot_guard(worker: Any) -> None:
     with pytest.raises(rd.WeightSyncError, match=r"needs vLLM >=0\.32,<0\.34"):
         sessions.guard(worker, last=True)
+
+
+def test_staging_that_does_not_fit_is_refused_naming_the_fix() -> None:
+    free = staging.free_bytes(torch.device("cpu"))
+    assert free > 0
+    staging.check_room(1, torch.device("cpu"))
+    with pytest.raises(rd.WeightSyncError, match="GiB of cpu memory and .* GiB is free"):
+        staging.check_room(free * 4, torch.device("cpu"))

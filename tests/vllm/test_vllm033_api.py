@@ -19,7 +19,9 @@ def test_vllm_033s_api_updates_a_real_engine() -> None:
     assert (API_TREE / ".complete").exists(), (
         f"{API_TREE} is missing: run scripts/setup-vllm-venv.sh (RAYDIRECT_TEST_VLLM_033=1)"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(API_TREE), str(HERE)])}
+    # its own Ray: not the cluster and namespace this session's engines were given
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(API_TREE), str(HERE)])
     run = subprocess.run(
         [sys.executable, str(HERE / "api033_driver.py")],
         env=env,

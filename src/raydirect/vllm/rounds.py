@@ -63,6 +63,7 @@ class Round:
     timeout: float
     ranks: int  # trainer ranks that publish each version
     dtype: str | None  # what floating-point tensors are published as, if cast
+    staging: dict[str, bool]  # keep_staging, host_staging: how the workers stage
     suspect: bool = False  # a control call failed: an engine may hold an open session
     widest: int = 0  # most workers of one engine in the last update (0: not known)
 
@@ -79,7 +80,8 @@ class Round:
             "node": context.get_node_id(),
             "timeout": float(info.timeout),
         }
-        made = cls(client, mailbox, trainer, float(info.timeout), ranks, info.dtype)
+        staging = {"keep_staging": info.keep_staging, "host_staging": info.host_staging}
+        made = cls(client, mailbox, trainer, float(info.timeout), ranks, info.dtype, staging)
         deadline = time.monotonic() + made.timeout
         try:
             _call(client.init_weight_transfer_engine, (trainer,), "init", deadline)
@@ -107,6 +109,7 @@ def drive(
         "shapes": [list(m.shape) for m in meta],
         "trainer": round_.trainer,
         "device": "cuda" if "cuda" in devices else "cpu",
+        **round_.staging,
     }
     phase_end = deadline - reserve_for_closing(round_.timeout)
     problems: list[str] = []

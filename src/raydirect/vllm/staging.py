@@ -18,6 +18,8 @@ process those tensors as its reload would have processed the loaders' output.
 
 from __future__ import annotations
 
+import math
+import os
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -36,6 +38,66 @@ def _slice_of(full: tuple[int, ...], box: Box) -> tuple[int, int, int] | None:
         return None
     d = cut[0]
     return d, box[0][d], box[0][d] + box[1][d]
+
+
+def _sliced(
+    shape: tuple[int, ...], cut: tuple[int, int, int]
+) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """A slice's staging: its shape, its contiguous strides, and the elements
+    that a whole-shaped view over it with those strides spans."""
+    dim, start, stop = cut
+    local = (*shape[:dim], stop - start, *shape[dim + 1 :])
+    strides = contiguous_strides(local)
+    return local, strides, sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+
+
+def staging_bytes(published: list[tuple[str, torch.dtype, tuple[int, ...]]], plan: Survey) -> int:
+    """The bytes a ``Receiver`` of this layout allocates, before it does."""
+    size = {name: dtype.itemsize for name, dtype, _shape in published}
+    total = sum(
+        math.prod(shape) * dtype.itemsize
+        for tensors in plan.layers.values()
+        for shape, dtype in tensors.values()
+    )
+    for name, _dtype, shape in published:
+        if name not in plan.reads or name in plan.lands:
+            continue
+        cut = _slice_of(shape, plan.reads[name])
+        total += size[name] * (math.prod(shape) if cut is None else _sliced(shape, cut)[2])
+    return total
+
+
+def free_bytes(device: torch.device) -> int:
+    """What an allocation on ``device`` may take now: the GPU's free memory and
+    what PyTorch's caching allocator holds unused there; for host memory, the
+    kernel's MemAvailable."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_room(need: int, device: torch.device) -> None:
+    """Refuses, before a byte is allocated or moves, staging that does not fit."""
+    free = free_bytes(device)
+    if need <= free:
+        return
+    fix = (
+        "start the engine with a lower gpu_memory_utilization (vLLM's default, 0.92, "
+        "leaves little room beside the KV cache), or stage in host memory: "
+        "RaydirectTrainerInitInfo(host_staging=True)"
+        if device.type == "cuda"
+        else "free host memory on the engine's machine, or update a smaller model"
+    )
+    raise rd.WeightSyncError(
+        f"staging this worker's share of the update takes {need / 2**30:.2f} GiB of "
+        f"{device.type} memory and {free / 2**30:.2f} GiB is free: {fix}. All or nothing "
+        "receives every byte before it loads (docs/vllm.md, What an update costs in memory)"
+    )
 
 
 class Receiver:
@@ -80,10 +142,8 @@ class Receiver:
             if cut is None:
                 self._staged[name] = self.whole[name] = empty(shape, dtype)
                 continue
-            dim, start, stop = cut
-            local = (*shape[:dim], stop - start, *shape[dim + 1 :])
-            strides = contiguous_strides(local)
-            span = sum((n - 1) * s for n, s in zip(shape, strides, strict=True)) + 1
+            dim, start, _stop = cut
+            local, strides, span = _sliced(shape, cut)
             memory = empty(span, dtype)
             self.whole[name] = memory.as_strided(shape, strides, 0)
             self._staged[name] = memory.as_strided(local, strides, start * strides[dim])

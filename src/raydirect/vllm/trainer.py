@@ -59,6 +59,12 @@ class RaydirectTrainerInitInfo(TrainerInitInfo):
     (``"auto"`` picks per pair: cross-memory on one node, tcp across).
     ``dtype`` (e.g. ``"bfloat16"``) casts floating-point tensors as they are
     published, into a buffer of their own; ``None`` publishes them in place.
+    ``keep_staging``: each engine worker keeps the memory it receives into
+    between updates (no allocation and no first touch of it at the next one),
+    where by default it is freed once the update has loaded or been dropped.
+    ``host_staging``: a GPU engine's workers receive a GPU trainer's tensors
+    into pinned host memory instead of GPU memory (docs/vllm.md, What an update
+    costs in memory).
     """
 
     backend: ClassVar[str] = BACKEND
@@ -67,6 +73,15 @@ class RaydirectTrainerInitInfo(TrainerInitInfo):
     timeout: float = 300.0
     tensor_transport: str = "auto"
     dtype: str | None = None
+    keep_staging: bool = False
+    host_staging: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("keep_staging", "host_staging"):  # a config's "false" is truthy
+            if not isinstance(getattr(self, key), bool):
+                raise TypeError(
+                    f"RaydirectTrainerInitInfo.{key} is True or False, got {getattr(self, key)!r}"
+                )
 
 
 _NAME_FREED_S = 30.0  # for Ray to let go the name of an earlier trainer's mailbox

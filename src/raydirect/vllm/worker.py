@@ -59,7 +59,7 @@ with needed_by("raydirect's weight-transfer backend"):
     from raydirect.vllm.landing import Survey, survey, unread_problems
 from raydirect.vllm.mailbox import DROPPED
 from raydirect.vllm.receiving import Pending
-from raydirect.vllm.staging import Receiver
+from raydirect.vllm.staging import Receiver, check_room, staging_bytes
 
 log = logging.getLogger(__name__)
 _SHOWN = 5  # refusals listed in one error
@@ -96,6 +96,8 @@ class RaydirectUpdateInfo(WeightTransferUpdateInfo):
     trainer: dict[str, Any] = field(default_factory=dict)
     seconds: float = 300.0
     device: str = "cpu"
+    keep_staging: bool = False
+    host_staging: bool = False
 
 
 @dataclass
@@ -161,6 +163,7 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         self._previous: Pending | None = None  # an aborted one maybe still receiving
         self._open = False  # vLLM's update session: started, not yet finished
         self._guarded = False  # vLLM's session checks raise on the last worker alone
+        self._keep = False  # the trainer's keep_staging: staging kept between updates
         self.last_update: dict[str, Any] = {}  # seconds per phase, bytes received
 
     # ----------------------------------------------------------------- init
@@ -323,15 +326,21 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         earlier = [p for p in (self._pending, self._previous) if p is not None and p.running()]
         after = earlier[0] if earlier else None
         key = _layout(info)
-        pending.start(lambda: self._receiver(key, plan, info.device), after)
+        pending.start(lambda: self._receiver(key, plan, info), after)
         self._pending, self._previous = pending, None
+        self._keep = bool(info.keep_staging)
 
-    def _receiver(self, key: Layout, plan: _Plan, device: str) -> Receiver:
-        """This layout's staging, kept across updates (called in phase one's thread)."""
+    def _receiver(self, key: Layout, plan: _Plan, info: RaydirectUpdateInfo) -> Receiver:
+        """This layout's staging (called in phase one's thread): on the engine's
+        GPU where the trainer's tensors are on one too, unless ``host_staging``;
+        kept from the last update where the trainer asked (``keep_staging``), else
+        made anew, once it is known to fit."""
         receiver = self._receivers.get(key)
         if receiver is None:
             on_gpu = self.device.type == "cuda"
-            where = self.device if on_gpu and device == "cuda" else torch.device("cpu")
+            to_gpu = on_gpu and info.device == "cuda" and not info.host_staging
+            where = self.device if to_gpu else torch.device("cpu")
+            check_room(staging_bytes(plan.published, plan.survey), where)
             receiver = Receiver(plan.published, plan.survey, where, pinned=on_gpu)
             self._receivers[key] = receiver
         return receiver
@@ -354,6 +363,8 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
                     "(a finish_weight_update that was not the trainer's, e.g. replayed)"
                 )
                 pending.mailbox.report.remote(pending.version, self._id, "applied", why)
+            if not self._keep:  # a receive still running holds its receiver until it ends
+                self._receivers.clear()
             return
         error = ""
         started = time.perf_counter()
@@ -365,6 +376,8 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
             log.exception("raydirect: loading version %s failed", pending.version)
         self._mailbox.report.remote(pending.version, self._id, "applied", error)
         self._record(pending, time.perf_counter() - started)
+        if not self._keep:  # the memory goes back to the engine until the next update
+            self._receivers.clear()
 
     def _load(self, receiver: Receiver) -> None:
         if not load(self.model, self.model_config, receiver):
