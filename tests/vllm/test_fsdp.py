@@ -5,6 +5,9 @@ the middle of an update is named to the caller while the engine keeps serving.""
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from typing import Any
 
 import fsdp_ranks
@@ -16,7 +19,13 @@ from ray import cloudpickle
 from vllm.distributed.weight_transfer.base import ModuleSource
 from vllm.distributed.weight_transfer.clients import RayVLLMWeightSyncClient
 from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-from vllm_harness import LOGPROB_TOLERANCE, hf_prompt_logprobs, max_difference, prompt
+from vllm_harness import (
+    LOGPROB_TOLERANCE,
+    hf_prompt_logprobs,
+    max_difference,
+    prompt,
+    start_engine,
+)
 
 from raydirect.vllm import RaydirectTrainerInitInfo
 
@@ -87,6 +96,37 @@ def test_rank0_that_cannot_publish_fails_every_rank_at_once(engine: Any, ranks: 
     errors = ray.get([r.send_weights.remote() for r in ranks], timeout=120)
     assert all("trainer rank 0 could not publish" in e for e in errors), errors
     assert "rank 0's source is broken" in errors[1] and "keep serving" in errors[1]
+
+
+def test_an_engine_worker_that_dies_mid_update_is_named_within_seconds(
+    tiny_llama: Any, ranks: list[Any]
+) -> None:
+    """A worker killed while it waits for rank 1's shards: rank 0 learns it from
+    the worker's alive token (not at the phase deadline, 290 s of 300 here), and
+    the error names the engine, the worker and "died"."""
+
+    def pid(worker: Any) -> int:  # nested: shipped by value
+        return os.getpid()
+
+    doomed = start_engine(tiny_llama[0], weight_transfer_config={"backend": "raydirect"})
+    try:
+        [worker_pid] = ray.get(doomed.collective_rpc.remote(pid), timeout=60)
+        ray.get([r.trainer_init.remote([doomed], sharded=True, timeout=300) for r in ranks])
+        mailbox = ray.get_actor("raydirect-vllm")
+        pending = ranks[0].send_weights.remote()  # rank 1 holds its shards back
+        # joined and waiting: rank 0 for the reports, the worker for the shards and
+        # the decision
+        deadline = time.monotonic() + 120
+        while ray.get(mailbox.waiting.remote()) < 3:
+            assert time.monotonic() < deadline, "the worker never joined"
+            time.sleep(0.05)
+        os.kill(worker_pid, signal.SIGKILL)
+        error = ray.get(pending, timeout=60)  # within seconds, not the 290 s deadline
+        assert "died during the receive phase" in error and "worker 0/1" in error, error
+        assert "engine " in error and "version 1 was not applied" in error, error
+        assert "died" in ray.get(ranks[1].send_weights.remote(), timeout=120)
+    finally:
+        ray.kill(doomed)
 
 
 def test_a_rank_that_dies_mid_update_is_named(engine: Any, ranks: list[Any]) -> None:

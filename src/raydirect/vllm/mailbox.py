@@ -15,7 +15,8 @@ number. For each version:
 
 Each rank also leaves an *alive token*, an object it owns: Ray loses it when its
 owner dies, which is how a waiting side learns that a rank is gone instead of
-waiting out its deadline.
+waiting out its deadline. Each engine worker joins with one too: rank 0 learns
+within seconds that a worker died in the middle of an update.
 
 Writers never wait behind waiters: writes run in a concurrency group of their
 own, and a wait holds no slot while it waits (it sleeps on a future that a write
@@ -114,6 +115,8 @@ class RaydirectMailbox:
         self._versions: dict[int, _Version] = {}
         self._tokens: dict[int, ray.ObjectRef] = {}
         self._dead: set[int] = set()
+        self._worker_tokens: dict[str, ray.ObjectRef] = {}
+        self._dead_workers: set[str] = set()
         self._last = 0  # the newest version put or ended
         self._changes = _Changes()
         self._watching = False
@@ -165,10 +168,15 @@ class RaydirectMailbox:
         self._changes.notify()
 
     @ray.method(concurrency_group="writes")
-    def join(self, version: int, worker: str, who: dict[str, Any]) -> None:
+    def join(
+        self, version: int, worker: str, who: dict[str, Any], token: list[Any] | None = None
+    ) -> None:
         """Worker ``worker`` takes part in ``version`` (``who``: its engine, rank,
-        world and a label for messages)."""
+        world and a label for messages; ``token``: ``[ref]`` of an object it owns,
+        its alive token)."""
         self._version(version).workers[worker] = who
+        if token:
+            self._worker_tokens[worker] = token[0]
         self._changes.notify()
 
     @ray.method(concurrency_group="writes")
@@ -301,8 +309,9 @@ class RaydirectMailbox:
         missing from ``said`` did not report in time."""
         record = self._version(version)
         said = record.received if phase == "received" else record.applied
-        await self._wait(lambda: set(record.workers) <= set(said), timeout)
-        return {"workers": dict(record.workers), "said": dict(said)}
+        await self._wait(lambda: set(record.workers) <= set(said) | self._dead_workers, timeout)
+        died = sorted((set(record.workers) & self._dead_workers) - set(said))
+        return {"workers": dict(record.workers), "said": dict(said), "died": died}
 
     @ray.method(concurrency_group="waits")
     async def relay(self, version: int, key: str, timeout: float) -> Any:
@@ -358,12 +367,22 @@ class RaydirectMailbox:
         """A token whose owner died raises within moments when awaited; a live
         one's is local after its first fetch."""
         for rank, token in sorted(self._tokens.items()):
-            if rank in self._dead:
-                continue
-            try:
-                await asyncio.wait_for(_fetched(token), _CHECK)
-            except asyncio.TimeoutError:
-                continue  # not yet fetched from a live owner
-            except ray.exceptions.RayError:
+            if rank not in self._dead and not await _alive(token):
                 self._dead.add(rank)
                 self._changes.notify()
+        for worker, token in list(self._worker_tokens.items()):
+            if worker not in self._dead_workers and not await _alive(token):
+                self._dead_workers.add(worker)
+                self._changes.notify()
+
+
+async def _alive(token: ray.ObjectRef) -> bool:
+    """False once Ray has lost ``token``: its owner died. A live one's is local
+    after its first fetch; one not yet fetched counts as alive."""
+    try:
+        await asyncio.wait_for(_fetched(token), _CHECK)
+    except asyncio.TimeoutError:
+        return True
+    except ray.exceptions.RayError:
+        return False
+    return True

@@ -297,9 +297,17 @@ def _reported(reports: dict[str, Any]) -> list[str]:
 
 
 def _unreported(reports: dict[str, Any], phase: str, seconds: float) -> list[str]:
-    missing = {w: "" for w in reports["workers"] if w not in reports["said"]}
+    """The workers that did not report ``phase``: those that died (their alive
+    token is lost: found within seconds), then those that did not finish in time."""
+    died = set(reports.get("died", ()))
+    gone = {w: "" for w in reports["workers"] if w in died}
+    missing = {w: "" for w in reports["workers"] if w not in reports["said"] and w not in died}
     within = f" within {seconds:.1f} s" if seconds else ""
     return [
+        f"{line.rstrip(': ')} died during the {phase} phase (its process is gone: "
+        "restart that engine)"
+        for line in _grouped(reports["workers"], gone)
+    ] + [
         f"{line.rstrip(': ')} did not finish the {phase} phase{within}"
         for line in _grouped(reports["workers"], missing)
     ]

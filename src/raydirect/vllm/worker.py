@@ -164,6 +164,7 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         self._open = False  # vLLM's update session: started, not yet finished
         self._guarded = False  # vLLM's session checks raise on the last worker alone
         self._keep = False  # the trainer's keep_staging: staging kept between updates
+        self._token: Any = None  # this worker's alive token (see ``mailbox``)
         self.last_update: dict[str, Any] = {}  # seconds per phase, bytes received
 
     # ----------------------------------------------------------------- init
@@ -319,7 +320,10 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
                 f"version {info.version} does not fit the engine's model: "
                 f"{'; '.join(plan.problems[:_SHOWN])}{f' (and {more} more)' if more > 0 else ''}"
             )
-        ray.get(self._mailbox.join.remote(info.version, self._id, who), timeout=_SLACK)
+        if self._token is None:  # owned by this process: lost when it dies
+            self._token = ray.put(self._id)
+        join = self._mailbox.join.remote(info.version, self._id, who, [self._token])
+        ray.get(join, timeout=_SLACK)
         pending = Pending(info.version, self._id, self._mailbox, deadline, refusal)
         # asked now, answered when rank 0 decides: finish then has it without a call
         pending.decision = self._mailbox.decided.remote(info.version, info.seconds + 3 * _SLACK)
