@@ -1,7 +1,7 @@
 """What keeping a worker's staging between updates saves (docs/vllm.md, What an
 update costs in memory): interleaved updates of one engine from two trainers,
-one with ``keep_staging=True`` and one with the default (staging freed once the
-update has loaded), each timed on its second update in a row, on the ~320 MiB
+one with ``keep_staging=True`` (the default) and one with ``False`` (staging freed
+once the update has loaded), each timed on its second update in a row, on the ~320 MiB
 float32 Llama of ``raydirect bench``'s workload 9. Prints the median seconds of
 ``send_weights()`` and of the workers' receive, and their ratio.
 
@@ -83,7 +83,7 @@ def main() -> None:
     med = {k: [statistics.median(x) for x in zip(*v, strict=True)] for k, v in times.items()}
     for keep in (True, False):
         print(
-            f"| {'kept' if keep else 'freed (default)'} | {med[keep][0]:.3f} | {med[keep][1]:.3f} |"
+            f"| {'kept (default)' if keep else 'freed'} | {med[keep][0]:.3f} | {med[keep][1]:.3f} |"
         )
     send, receive = (med[False][i] / med[True][i] for i in (0, 1))
     print(f"freed / kept: send {send:.2f}x, receive {receive:.2f}x")

@@ -123,17 +123,17 @@ def _staging(engine: Any) -> list[tuple[int, int]]:
     return ray.get(engine.collective_rpc.remote(staged), timeout=60)
 
 
-def test_staging_is_freed_after_an_update_unless_kept(engine: Any) -> None:
-    """By default a worker's staging goes once the update has loaded (the memory is
-    the engine's again); with keep_staging it stays for the next update, and the
-    check of free memory before phase one counts exactly what it allocates."""
+def test_staging_is_kept_unless_freeing_is_asked(engine: Any) -> None:
+    """With keep_staging=False a worker's staging goes once the update has loaded
+    (the memory is the engine's again); by default it stays for the next update,
+    and the check of free memory before phase one counts exactly what it allocates."""
     model = random_llama(seed=14)
-    freeing = _trainer([engine], ModuleSource(model))
+    freeing = _trainer([engine], ModuleSource(model), keep_staging=False)
     freeing.send_weights()
     freeing.shutdown()
     assert _staging(engine) == [(0, 0)]
     assert _serves(engine, _state(model)) < LOGPROB_TOLERANCE
-    kept = _trainer([engine], ModuleSource(model), keep_staging=True, name="kept")
+    kept = _trainer([engine], ModuleSource(model), name="kept")
     kept.send_weights()
     [(held, said)] = _staging(engine)
     own = sum(t.numel() * t.element_size() for t in model.state_dict().values())

@@ -89,7 +89,8 @@ def check_room(need: int, device: torch.device) -> None:
     fix = (
         "start the engine with a lower gpu_memory_utilization (vLLM's default, 0.92, "
         "leaves little room beside the KV cache), or stage in host memory: "
-        "RaydirectTrainerInitInfo(host_staging=True)"
+        "RaydirectTrainerInitInfo(host_staging=True); keep_staging=False then gives "
+        "the memory back after each update"
         if device.type == "cuda"
         else "free host memory on the engine's machine, or update a smaller model"
     )

@@ -96,7 +96,7 @@ class RaydirectUpdateInfo(WeightTransferUpdateInfo):
     trainer: dict[str, Any] = field(default_factory=dict)
     seconds: float = 300.0
     device: str = "cpu"
-    keep_staging: bool = False
+    keep_staging: bool = True
     host_staging: bool = False
 
 
@@ -163,7 +163,7 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
         self._previous: Pending | None = None  # an aborted one maybe still receiving
         self._open = False  # vLLM's update session: started, not yet finished
         self._guarded = False  # vLLM's session checks raise on the last worker alone
-        self._keep = False  # the trainer's keep_staging: staging kept between updates
+        self._keep = True  # the trainer's keep_staging: staging kept between updates
         self._token: Any = None  # this worker's alive token (see ``mailbox``)
         self.last_update: dict[str, Any] = {}  # seconds per phase, bytes received
 
@@ -337,8 +337,8 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
     def _receiver(self, key: Layout, plan: _Plan, info: RaydirectUpdateInfo) -> Receiver:
         """This layout's staging (called in phase one's thread): on the engine's
         GPU where the trainer's tensors are on one too, unless ``host_staging``;
-        kept from the last update where the trainer asked (``keep_staging``), else
-        made anew, once it is known to fit."""
+        kept from the last update unless the trainer said ``keep_staging=False``,
+        else made anew, once it is known to fit."""
         receiver = self._receivers.get(key)
         if receiver is None:
             on_gpu = self.device.type == "cuda"
