@@ -250,13 +250,13 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
         if self._publisher is None:
             assert self.source is not None
             dtype = None if self.info.dtype is None else getattr(torch, self.info.dtype)
-            spots = placements_by_name(self.source, self.info.rank) if self.local else {}
+            spots = placements_by_name(self.source, self.info.rank) if self.local else None
             self._publisher = rd.WeightPublisher(
                 self._state,
                 depth=0 if dtype is None else 1,
                 dtype=dtype,
                 tensor_transport=self.info.tensor_transport,
-                placement=(lambda name, _shape: spots.get(name)) if self.local else None,
+                placement=None if spots is None else lambda name, _shape: spots.get(name),
             )
         return self._publisher.publish(version, timeout=self.info.timeout)
 
