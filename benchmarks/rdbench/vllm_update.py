@@ -23,9 +23,10 @@ tokens with no update; the target is raydirect's stall at most 1.2x the floor's.
 
 Points: tensor parallel 1 and 2 (one trainer process holding the model,
 vLLM's ``ModuleSource``), and a 2-rank FSDP2 trainer on gloo into a
-tensor-parallel-1 engine (``raydirect.vllm.ShardedModuleSource``: each rank
-publishes its own shards; against ``ModuleSource``, which gathers every tensor
-with ``full_tensor()`` on every rank first). Each system of the FSDP2 point has
+tensor-parallel-1 engine, through ``raydirect.vllm.ShardedModuleSource`` and
+through vLLM's ``ModuleSource`` (vLLM 0.32's iteration gathers every tensor with
+``full_tensor()`` on every rank; the backend reads it as its shards, so each
+rank publishes its own with either). Each system of the FSDP2 point has
 an engine of its own (an engine takes one trainer at a time).
 
 The systems of a point run in interleaved rounds, one update of each in turn.
@@ -100,7 +101,7 @@ NAIVE = "(a) safetensors in /dev/shm, then load_weights"
 FLOOR = "floor (b): load_weights of tensors in memory"
 FLOOR_COPY = "floor (c): one copy of the worker's share, then (b)"
 SHARDED = "raydirect backend, ShardedModuleSource"
-GATHERED = "raydirect backend, ModuleSource (gathers)"
+GATHERED = "raydirect backend, ModuleSource (read as shards)"
 TP1, TP2, FSDP = "tensor parallel 1", "tensor parallel 2", "FSDP2 2 ranks -> tensor parallel 1"
 WORKER_BYTES = "worker bytes / its parameters"
 RANK_BYTES = "bytes sent / model, rank "
@@ -232,7 +233,7 @@ class _Fleet:
 
 def _name(system_or_point: str) -> str:
     """The name of the trainer engine (and its mailbox actor) for a row's engine."""
-    names = {TP1: "tp1", TP2: "tp2", SHARDED: "fsdp-sharded", GATHERED: "fsdp-gathered"}
+    names = {TP1: "tp1", TP2: "tp2", SHARDED: "fsdp-sharded", GATHERED: "fsdp-module-source"}
     return f"rdbench-{names[system_or_point]}"
 
 

@@ -30,6 +30,8 @@ from vllm_harness import (
     LOGPROB_TOLERANCE,
     DictSource,
     hf_prompt_logprobs,
+    loads_fail,
+    loads_mended,
     max_difference,
     prompt,
     random_llama,
@@ -39,7 +41,7 @@ from vllm_harness import (
 )
 
 import raydirect as rd
-from raydirect.vllm import RaydirectTrainerInitInfo
+from raydirect.vllm import RaydirectTrainerInitInfo, clients
 
 from helpers import wait_for
 
@@ -242,11 +244,15 @@ def _refusal(attempt: Any) -> str:
 
 def _refusals_during_update(first: Any, *attempts: Any, at: str = "update_weights") -> list[str]:
     """Runs ``first``'s next update and makes each attempt at one point of it:
-    right after its client call ``at`` returned (its vLLM session open), or for
+    right after its call ``at`` returned (its vLLM session open), or for
     ``finish_weight_update`` right before that call (decided, the session still
-    open); returns what each attempt was refused with."""
+    open); returns what each attempt was refused with. Rank 0 sends an update
+    to a Ray client's engines one by one (``raydirect.vllm.clients``): that is
+    where an update is caught."""
     client, said = first._round.client, []
-    call = getattr(client, at)
+    owner = clients if at == "update_weights" else client
+    name = "update_each" if at == "update_weights" else at
+    call = getattr(owner, name)
 
     def overlapped(*args: Any) -> None:
         if at != "finish_weight_update":
@@ -255,11 +261,11 @@ def _refusals_during_update(first: Any, *attempts: Any, at: str = "update_weight
         if at == "finish_weight_update":
             call(*args)
 
-    setattr(client, at, overlapped)
+    setattr(owner, name, overlapped)
     try:
         first.send_weights()
     finally:
-        setattr(client, at, call)
+        setattr(owner, name, call)
     return said
 
 
@@ -506,27 +512,6 @@ def test_an_impostor_mailbox_never_gets_its_reply_unpickled(tp2_engine: Any, tmp
     _still_updates(tp2_engine, seed=61)
 
 
-def _load_weights_raises(rank: int) -> Any:
-    """A worker function: worker ``rank``'s model fails its next loads (a loader
-    bug), until ``_mended``."""
-
-    def sabotage(worker: Any) -> bool:
-        if worker.rank != rank:
-            return False
-
-        def broken(weights: Any) -> Any:
-            raise RuntimeError("a loader bug")
-
-        worker.model_runner.model.load_weights = broken
-        return True
-
-    return sabotage
-
-
-def _mended(worker: Any) -> None:
-    vars(worker.model_runner.model).pop("load_weights", None)
-
-
 def test_a_failure_inside_the_load_is_reported_as_such(tp2_engine: Any) -> None:
     """Phase two cannot be all or nothing: a worker whose load fails is named, the
     engine is said to hold a mix (not to be untouched), and the next update loads
@@ -534,13 +519,13 @@ def test_a_failure_inside_the_load_is_reported_as_such(tp2_engine: Any) -> None:
     model = random_llama(seed=62)
     trainer = _trainer([tp2_engine], ModuleSource(model))
     trainer.send_weights()  # the layout is surveyed: the next update only loads
-    assert ray.get(tp2_engine.collective_rpc.remote(_load_weights_raises(1))) == [False, True]
+    assert ray.get(tp2_engine.collective_rpc.remote(loads_fail(1))) == [False, True]
     _stepped(model, 1.1)
     try:
         with pytest.raises(rd.WeightSyncError, match="committed, but loading it failed") as info:
             trainer.send_weights()
     finally:
-        ray.get(tp2_engine.collective_rpc.remote(_mended))
+        ray.get(tp2_engine.collective_rpc.remote(loads_mended))
     said = str(info.value)
     assert "worker 1/2" in said and "a loader bug" in said and "hold a mix" in said, said
     assert "worker 0/2" not in said
@@ -584,19 +569,18 @@ def test_a_finish_replayed_during_a_tp2_update_leaves_the_engine_usable(tp2_engi
     trainer = _trainer([tp2_engine], ModuleSource(model))
     trainer.send_weights()
     version = _version(tp2_engine)
-    client = trainer._round.client
-    update = client.update_weights
+    update = clients.update_each  # where rank 0 sends an update
 
-    def replayed(info: Any) -> None:
-        update(info)
+    def replayed(client: Any, info: Any) -> None:
+        update(client, info)
         RayVLLMWeightSyncClient([tp2_engine]).finish_weight_update()
 
-    client.update_weights = replayed
+    clients.update_each = replayed
     try:
         with pytest.raises(rd.WeightSyncError, match="was not applied"):
             trainer.send_weights()
     finally:
-        client.update_weights = update
+        clients.update_each = update
     assert _version(tp2_engine) == version
     assert _sessions_open(tp2_engine) == [False, False]
     after = _stepped(model, 1.1)

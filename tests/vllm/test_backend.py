@@ -19,6 +19,8 @@ from vllm_harness import (
     LOGPROB_TOLERANCE,
     DictSource,
     hf_prompt_logprobs,
+    loads_fail,
+    loads_mended,
     max_difference,
     prompt,
     random_llama,
@@ -26,7 +28,7 @@ from vllm_harness import (
 )
 
 import raydirect as rd
-from raydirect.vllm import RaydirectTrainerInitInfo
+from raydirect.vllm import RaydirectTrainerInitInfo, clients
 
 IDS = prompt(24, 3)
 
@@ -167,6 +169,41 @@ def test_two_engines_one_client_and_tensor_parallel_slices(engine: Any, tp2_engi
     trainer.shutdown()
 
 
+def _versions(engines: tuple[Any, ...]) -> list[str]:
+    return ray.get([e.get_weight_version.remote() for e in engines], timeout=60)
+
+
+def test_after_a_partial_load_each_engine_reports_the_version_it_loaded(
+    engine: Any, tp2_engine: Any
+) -> None:
+    """vLLM's Ray client sets no engine's weight version once one engine's finish
+    raised: the engine that loaded the new weights reported the old version. Now
+    each engine whose load ran through reports the new one, and the error says
+    which engine holds which."""
+    model = random_llama(seed=16)
+    trainer = _trainer([engine, tp2_engine], ModuleSource(model))
+    trainer.send_weights()  # the layouts are surveyed: the next update only loads
+    engines = (engine, tp2_engine)
+    assert _versions(engines) == ["1", "1"]
+    assert ray.get(tp2_engine.collective_rpc.remote(loads_fail(1))) == [False, True]
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.01)
+    try:
+        with pytest.raises(rd.WeightSyncError, match="committed, but loading it failed") as info:
+            trainer.send_weights()
+    finally:
+        ray.get(tp2_engine.collective_rpc.remote(loads_mended))
+    said = str(info.value)
+    assert "[0] report weight version 2; [1] keep reporting the version they had" in said, said
+    assert _versions(engines) == ["2", "1"]
+    assert _serves(engine, _state(model)) < LOGPROB_TOLERANCE
+    trainer.send_weights()  # the mixed engine loads every layer again
+    assert _versions(engines) == ["3", "3"]
+    assert _serves(tp2_engine, _state(model)) < LOGPROB_TOLERANCE
+    trainer.shutdown()
+
+
 def _bent(model: torch.nn.Module, how: str) -> dict[str, torch.Tensor]:
     state = _state(model)
     name = "model.layers.1.mlp.down_proj.weight"
@@ -290,21 +327,21 @@ def test_a_replayed_finish_does_not_stall_the_engine(engine: Any) -> None:
     model = random_llama(seed=16)
     trainer = _trainer([engine], ModuleSource(model))
     trainer.send_weights()
-    client, took = trainer._round.client, []
-    update = client.update_weights
+    took: list[float] = []
+    update = clients.update_each  # where rank 0 sends an update
 
-    def replayed(info: Any) -> None:
-        update(info)  # the trainer's session is open, its update undecided
+    def replayed(client: Any, info: Any) -> None:
+        update(client, info)  # the trainer's session is open, its update undecided
         started = time.monotonic()
         RayVLLMWeightSyncClient([engine]).finish_weight_update()
         took.append(time.monotonic() - started)
 
-    client.update_weights = replayed
+    clients.update_each = replayed
     try:
         with pytest.raises(rd.WeightSyncError, match="version 2 was not applied") as raised:
             trainer.send_weights()
     finally:
-        client.update_weights = update
+        clients.update_each = update
     assert took and took[0] < 3.0, took
     said = str(raised.value)
     assert "dropped, not loaded: its update session was closed before" in said, said

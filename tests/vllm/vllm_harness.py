@@ -291,3 +291,24 @@ class DictSource(WeightSource):
 def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """A copy of ``model``'s weights."""
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def loads_fail(rank: int) -> Any:
+    """A worker function: worker ``rank``'s model fails its next loads (a loader
+    bug), until ``loads_mended``; True on the worker it broke."""
+
+    def sabotage(worker: Any) -> bool:
+        if worker.rank != rank:
+            return False
+
+        def broken(weights: Any) -> Any:
+            raise RuntimeError("a loader bug")
+
+        worker.model_runner.model.load_weights = broken
+        return True
+
+    return sabotage
+
+
+def loads_mended(worker: Any) -> None:
+    vars(worker.model_runner.model).pop("load_weights", None)

@@ -40,12 +40,13 @@ import ray
 from vllm.distributed.weight_transfer.base import ParamMeta, VLLMWeightSyncClient
 
 import raydirect as rd
+from raydirect.vllm import clients
 from raydirect.vllm.mailbox import DROPPED
+from raydirect.vllm.sessions import SESSION_OPEN
 
 log = logging.getLogger(__name__)
 _SHOWN = 5  # problems listed in one message
 _SLACK = 10.0  # on top of a mailbox wait's own deadline, for the call itself
-_BUSY = "while a weight update is already active"  # vLLM's refusal of a second start
 
 
 def reserve_for_closing(timeout: float) -> float:
@@ -126,15 +127,26 @@ def drive(
     _decide(mailbox, version, commit)
     if not started:
         return _not_applied(version, problems)
-    closed = _close_sessions(round_, version if commit else None, deadline, problems)
     if not commit:
+        _close_sessions(round_, None, deadline, problems, commit=False)
         return _not_applied(version, problems)
+    engines = clients.engines_of(round_.client)
+    weight_version = None if engines else str(version)  # else set per engine below
+    closed = _close_sessions(round_, weight_version, deadline, problems, commit=True)
     wait = max(deadline - time.monotonic(), 0.0)
     second = ray.get(mailbox.reports.remote(version, "applied", wait), timeout=wait + _SLACK)
     if not closed and _nothing_loaded(second):
         return _not_applied(version, problems + _reported(second))
+    held = clients.held_by_index(second, engines) if engines else None
+    if held is not None and any(held):
+        try:
+            clients.set_versions(round_.client, held, str(version), _SLACK)
+        except Exception as exc:
+            problems.append(f"update_weight_version failed: {_said(exc)}")
     failed = _reported(second) + (_unreported(second, "load", 0.0) if closed else problems)
-    return _partly_applied(version, failed) if failed else ""
+    if failed:
+        return _partly_applied(version, failed, held)
+    return _unversioned(version, problems) if problems else ""
 
 
 def _decide(mailbox: Any, version: int, commit: bool) -> None:
@@ -173,7 +185,7 @@ def _open_sessions(
     except Exception as exc:
         round_.suspect = True
         said = _said(exc)
-        if _BUSY not in said:
+        if SESSION_OPEN not in said:
             problems.append(said)
             return True
         # Another caller's session is open there: finishing it would end that
@@ -187,7 +199,7 @@ def _open_sessions(
         return False
     try:
         update["seconds"] = max(phase_end - time.monotonic(), 0.0)
-        _call(client.update_weights, (update,), "update_weights", phase_end)
+        _call(clients.update_each, (client, update), "update_weights", phase_end)
     except Exception as exc:
         round_.suspect = True
         problems.append(_said(exc))
@@ -209,19 +221,19 @@ def _close_own_sessions(round_: Round, end: float) -> None:
 
 
 def _close_sessions(
-    round_: Round, version: int | None, deadline: float, problems: list[str]
+    round_: Round, weight_version: str | None, deadline: float, problems: list[str], commit: bool
 ) -> bool:
-    """``finish_weight_update`` on every engine; the new weight version only on
-    commit (``version``). False if the call failed or did not return in time (on
-    an abort that is no news: an engine whose worker raised in phase one has
-    ended that worker's session already, and vLLM refuses to finish it again)."""
+    """``finish_weight_update`` on every engine (with ``weight_version`` where the
+    client sets it), which loads on a commit. False if the call failed or did not
+    return in time (on an abort that is no news: an engine whose worker raised
+    in phase one has ended that worker's session already, and vLLM refuses to
+    finish it again)."""
     try:
-        weight_version = None if version is None else str(version)
         _call(round_.client.finish_weight_update, (weight_version,), "finish", deadline)
         return True
     except Exception as exc:
         round_.suspect = True
-        if version is not None:
+        if commit:
             problems.append(_said(exc))
         else:
             log.info("raydirect: finish_weight_update after an abort: %s", _said(exc))
@@ -335,11 +347,34 @@ def _not_applied(version: int, problems: list[str]) -> str:
     )
 
 
-def _partly_applied(version: int, failed: list[str]) -> str:
+def _partly_applied(version: int, failed: list[str], held: list[bool] | None) -> str:
     return (
         f"version {version} was committed, but loading it failed: {_listed(failed)}. "
         "The engines named hold a mix of their previous weights and version "
-        f"{version} (the layers loaded before the failure hold version {version}) and "
-        f"report weight version {version}; every other engine applied it. The next "
-        "update loads every layer again"
+        f"{version} (the layers loaded before the failure hold version {version}); "
+        f"every other engine applied it. {_versions(version, held)}. The next update "
+        "loads every layer again"
+    )
+
+
+def _unversioned(version: int, problems: list[str]) -> str:
+    return (
+        f"version {version} was applied by every engine, but setting their weight "
+        f"version failed: {_listed(problems)}. They serve version {version}; "
+        "get_weight_version() may report the one before"
+    )
+
+
+def _versions(version: int, held: list[bool] | None) -> str:
+    """Which engines report which weight version after a partial phase two."""
+    if held is None:  # the client's own finish: it sets the versions as it does
+        return (
+            "Their weight versions are as the client's finish_weight_update left "
+            "them: read each engine's get_weight_version()"
+        )
+    applied = [i for i, ok in enumerate(held) if ok]
+    mixed = [i for i, ok in enumerate(held) if not ok]
+    return (
+        f"Of the client's engines (in its handles' order), {applied or 'none'} report "
+        f"weight version {version}; {mixed} keep reporting the version they had"
     )

@@ -14,7 +14,10 @@ So on an engine of this backend only the last worker raises for such a call,
 with vLLM's own error; the others return, changing nothing either. The caller
 gets the refusal and the engine serves the next call, as every error of this
 backend is raised (``worker``). The check is vLLM's session flag, read before
-vLLM's method runs; the method itself is vLLM's, unchanged.
+vLLM's method runs; the method itself is vLLM's, unchanged. A start refused
+because a session is open says so in raydirect's words too (``SESSION_OPEN``):
+a trainer reads another trainer's update in progress from that, which the
+worker took from the flag, whatever vLLM's error says.
 """
 
 from __future__ import annotations
@@ -31,6 +34,10 @@ from raydirect.vllm.versions import SUPPORTED, installed
 log = logging.getLogger(__name__)
 
 _GUARDED = "_raydirect_session_guard"
+# The last worker's refusal of a start while a session is open, read from vLLM's
+# session flag (the trainer tells another trainer's open update by it, not by
+# vLLM's wording of its error).
+SESSION_OPEN = "an update session is already open on this engine"
 
 
 def _active(worker: Any) -> bool:
@@ -92,15 +99,24 @@ def guard(worker: Any, last: bool) -> None:
 def _guarded(
     worker: Any, name: str, method: Callable[..., Any], refused: Callable[[Any], bool], last: bool
 ) -> Callable[..., Any]:
+    opens = name == "start_weight_update"
+
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not last and refused(worker):
+        if not refused(worker):
+            return method(*args, **kwargs)
+        if not last:
             log.warning(
                 "raydirect: %s does not match this worker's update session: vLLM refuses it; "
                 "the engine's last worker raises its error, this one changes nothing",
                 name,
             )
             return None
-        return method(*args, **kwargs)
+        try:
+            return method(*args, **kwargs)  # vLLM's own refusal
+        except Exception as exc:
+            if not opens:
+                raise
+            raise rd.WeightSyncError(f"raydirect: {SESSION_OPEN}: {exc}") from exc
 
     return call

@@ -91,6 +91,21 @@ def module_of(source: WeightSource) -> torch.nn.Module | None:
     return module if isinstance(module, torch.nn.Module) else None
 
 
+def unfunnelled(source: WeightSource) -> WeightSource:
+    """``source``, or where it is vLLM 0.32's ``ModuleSource`` over DTensors, a
+    ``ShardedModuleSource`` over its module. 0.32's iteration gathers every
+    parameter on every rank (``full_tensor()``), so one rank would hold and
+    publish the whole model; read as its shards, each rank publishes its own.
+    The engines get the same tensors either way (on 0.33 vLLM's source yields
+    the shards itself)."""
+    if SPLIT_ITERATION or type(source) is not ModuleSource:
+        return source
+    module = module_of(source)
+    if module is None or not any(hasattr(p, "to_local") for p in module.parameters()):
+        return source
+    return ShardedModuleSource(module)
+
+
 class ShardedModuleSource(WeightSource):
     """``module.named_parameters()`` as this rank holds them. Where vLLM 0.32's
     ``ModuleSource`` calls ``full_tensor()`` on every FSDP2/DTensor parameter (an

@@ -1,9 +1,11 @@
 """The trainer side: each rank publishes a version, rank 0 drives the engines.
 
-``send_weights`` on every rank takes the source's tensors (for vLLM's
-``ModuleSource`` the FSDP gather runs here, on every rank, as in vLLM's own
-backends) and, where the rank publishes, publishes them as one new version with
-``rd.WeightPublisher`` (no copy) and leaves the handle in the mailbox. Rank 0
+``send_weights`` on every rank takes the source's tensors and, where the rank
+publishes, publishes them as one new version with ``rd.WeightPublisher`` (no
+copy) and leaves the handle in the mailbox. A sharded model's ranks each
+publish their own shards, whichever source reads it (vLLM 0.32's
+``ModuleSource`` over DTensors is read as ``ShardedModuleSource``: no rank
+gathers the model); a source of whole tensors is published by rank 0 alone. Rank 0
 then runs the update in two phases (``rounds.drive``): every worker of every
 engine receives and checks without touching a serving tensor; only if all of
 them succeeded does any of them load. Every rank returns or raises only once no
@@ -40,6 +42,7 @@ from raydirect.vllm.sources import (
     placements_by_name,
     resharded,
     tensors_of,
+    unfunnelled,
 )
 
 # vLLM 0.33's trainer engine is told its rank (0.32's reads every rank as 0).
@@ -147,6 +150,7 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
         info: RaydirectTrainerInitInfo | None = None,
     ) -> None:
         self.info = info or RaydirectTrainerInitInfo(rank=0)
+        source = None if source is None else unfunnelled(source)
         ranked = {"rank": self.info.rank} if RANKED_TRAINER else {}  # vLLM 0.33 takes it
         super().__init__(client=client, source=source, is_sender=is_sender, **ranked)
         self.version = 0
@@ -178,8 +182,7 @@ class RaydirectTrainerWeightTransferEngine(TrainerWeightTransferEngine[Raydirect
         if source is None:
             raise ValueError(
                 "the raydirect backend sends a WeightSource each round: pass source= "
-                "(vLLM's ModuleSource, or raydirect.vllm.ShardedModuleSource for FSDP2 "
-                "without a gather)"
+                "(vLLM's ModuleSource, or raydirect.vllm.ShardedModuleSource)"
             )
         _ray_ready()
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, info=init_info)

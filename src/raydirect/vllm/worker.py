@@ -96,6 +96,7 @@ class RaydirectUpdateInfo(WeightTransferUpdateInfo):
     trainer: dict[str, Any] = field(default_factory=dict)
     seconds: float = 300.0
     device: str = "cpu"
+    engine_index: int = -1  # which of the client's engines this is (``clients``)
     keep_staging: bool = True
     host_staging: bool = False
 
@@ -311,6 +312,7 @@ class RaydirectWeightTransferEngine(WeightTransferEngine[RaydirectInitInfo, Rayd
             "rank": rank,
             "world": size,
             "label": f"engine {self.vllm_config.instance_id} worker {rank}/{size}",
+            "index": info.engine_index,
         }
         deadline = time.monotonic() + float(info.seconds)
         refusal = ""
