@@ -30,6 +30,7 @@ See docs/kv-transfer.md.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from typing import TYPE_CHECKING, Any
@@ -59,9 +60,11 @@ with needed_by("raydirect's KV connector"):
         Read,
         handoff_params,
     )
+    from raydirect.vllm.kv_layout import LayerRuns, layers_from_dict, mismatch
+    from raydirect.vllm.kv_params import MAX_LEASE_S, KVParamsError, finite, flag
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -71,6 +74,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
+
+_schedulers: list[KVScheduler] = []  # this process's (status(), tests)
 
 
 class KVScheduler:
@@ -83,13 +88,17 @@ class KVScheduler:
         self.engine_id = str(transfer.engine_id)
         self.block_size = int(vllm_config.cache_config.block_size)
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
-        lease = transfer.get_from_extra_config("kv_lease_duration", DEFAULT_LEASE_S)
-        self.lease_s = _lease_s(lease)
+        self.lease_s, _ = extra_config(transfer)
         self.handshakes: list[Handshake] = []
+        self._layout: dict[str, LayerRuns] = {}  # this engine's own caches
         self._reads: dict[str, Read] = {}
         self._leases: dict[str, float] = {}
-        # P's request id -> (the request here that read it, the lease's end)
+        # P's request id -> (the request here that read it, the lease's end), and
+        # the same ends in a heap: each claim goes when its own lease ends, so
+        # state stays bounded whatever expiry one hand-off carries.
         self._claims: dict[str, tuple[str, float]] = {}
+        self._claim_ends: list[tuple[float, str]] = []
+        _schedulers.append(self)
 
     def set_handshakes(self, metadata: dict[int, KVConnectorHandshakeMetadata]) -> None:
         ranks = sorted(metadata)
@@ -101,32 +110,56 @@ class KVScheduler:
         if any(h.layout != shakes[0].layout for h in shakes):
             raise RuntimeError("RaydirectConnector: TP ranks lay out their KV caches differently")
         self.handshakes = shakes
+        self._layout = layers_from_dict(shakes[0].layout)
+
+    def status(self) -> dict[str, Any]:
+        """What the scheduler holds (tests, debugging)."""
+        return {"claims": sorted(self._claims), "leases": sorted(self._leases)}
 
     # -- decode side --------------------------------------------------------
 
-    def _handoff(self, request: Request) -> tuple[Handoff | None, bool]:
-        """The request's hand-off (None: not one of ours) and whether this engine
-        can read it (logged if not: it prefills the prompt itself)."""
-        params = request.kv_transfer_params or {}
+    def _handoff(self, request: Request, quiet: bool = False) -> tuple[Handoff | None, bool]:
+        """The request's hand-off (None: not one of ours, or malformed) and whether
+        this engine can read it (logged if not: it prefills the prompt itself).
+        Malformed params are logged once, naming the field, and the request
+        then counts as one with nothing to read: every later hook passes it by."""
+        params = _params(request)
         try:
             handoff = Handoff.of(params)
-        except ValueError as exc:
-            logger.warning("RaydirectConnector: request %s: %s", request.request_id, exc)
-            return None, False
-        problem = None
+        except KVParamsError as exc:
+            problem: str | None = f"its kv_transfer_params' {exc}"
+        except Exception as exc:  # a check missed: still this request's, never the engine's
+            logger.exception("RaydirectConnector: request %s's params", request.request_id)
+            problem = f"its kv_transfer_params could not be read ({type(exc).__name__})"
+        else:
+            problem = self._unreadable(handoff)
+            if problem is not None and not quiet:  # get_num_new_matched_tokens said it
+                logger.warning(
+                    "RaydirectConnector: request %s is prefilled here (%s)",
+                    request.request_id,
+                    problem,
+                )
+            return handoff, problem is None
+        params["do_remote_prefill"] = False
+        logger.warning(
+            "RaydirectConnector: request %s has nothing read for it (%s): prefilled here, "
+            "and its prefill engine frees the blocks at its lease's end",
+            request.request_id,
+            problem,
+        )
+        return None, False
+
+    def _unreadable(self, handoff: Handoff) -> str | None:
+        """Why this engine cannot read ``handoff`` (another TP, block size or
+        layout), or None."""
         if len(handoff.regions) != self.tp_size:
-            problem = f"its prefill engine has TP {len(handoff.regions)}, this one {self.tp_size}"
-        elif handoff.block_size != self.block_size:
-            problem = f"block size {handoff.block_size} there, {self.block_size} here"
-        if problem is not None:
-            logger.warning(
-                "RaydirectConnector: request %s is prefilled here (%s)", request.request_id, problem
-            )
-        return handoff, problem is None
+            return f"its prefill engine has TP {len(handoff.regions)}, this one {self.tp_size}"
+        if handoff.block_size != self.block_size:
+            return f"block size {handoff.block_size} there, {self.block_size} here"
+        return mismatch(handoff.layout, self._layout) if self._layout else None
 
     def matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not _remote_prefill(request):
             return 0, False
         handoff, usable = self._handoff(request)
         if handoff is None or not usable:
@@ -157,11 +190,10 @@ class KVScheduler:
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external: int) -> None:
-        params = request.kv_transfer_params
-        if not params or not params.get("do_remote_prefill"):
+        if not _remote_prefill(request):
             return
-        params["do_remote_prefill"] = False  # one read per request
-        handoff, usable = self._handoff(request)
+        handoff, usable = self._handoff(request, quiet=True)
+        _params(request)["do_remote_prefill"] = False  # one read per request
         if handoff is None or not self._claim(handoff, request.request_id):
             return  # another request here read it: P was told to free the blocks then
         local = blocks.get_unhashed_block_ids() if num_external > 0 and usable else []
@@ -187,27 +219,25 @@ class KVScheduler:
         comes with it does. A second (a client's retry, a duplicate) would read
         blocks P freed on the first one's notice and may have reused."""
         now = time.time()
-        while self._claims:  # oldest first; past its lease nobody reads it anyway
-            oldest = next(iter(self._claims))
-            if self._claims[oldest][1] >= now:
-                break
-            del self._claims[oldest]
-        claim = self._claims.setdefault(handoff.remote_request_id, (request_id, handoff.expires_at))
-        return claim[0] == request_id
+        while self._claim_ends and self._claim_ends[0][0] < now:
+            _, remote = heapq.heappop(self._claim_ends)  # past its lease nobody reads it
+            self._claims.pop(remote, None)
+        remote = handoff.remote_request_id
+        if remote not in self._claims:
+            self._claims[remote] = (request_id, handoff.expires_at)
+            heapq.heappush(self._claim_ends, (handoff.expires_at, remote))
+        return self._claims[remote][0] == request_id
 
     # -- prefill side -------------------------------------------------------
 
     def finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
-        params = request.kv_transfer_params
-        if not params:
-            return False, None
-        if params.get("do_remote_prefill"):  # aborted before it read: free P's blocks
-            params["do_remote_prefill"] = False
-            handoff, _ = self._handoff(request)
+        if _remote_prefill(request):  # aborted (or rejected) before it read: free P's blocks
+            handoff, _ = self._handoff(request, quiet=True)
+            _params(request)["do_remote_prefill"] = False
             if handoff is not None:
                 self._reads[request.request_id] = Read(request.request_id, [], [], handoff, False)
             return False, None
-        if not params.get("do_remote_decode") or not block_ids or not self.handshakes:
+        if not _remote_decode(request) or not block_ids or not self.handshakes:
             return False, None
         if request.status not in (
             RequestStatus.FINISHED_LENGTH_CAPPED,
@@ -237,17 +267,65 @@ class KVScheduler:
         return meta
 
 
-def _lease_s(value: Any) -> float:
-    """``kv_lease_duration``, checked: a lease no longer than the read margin would
-    end before any decode engine may read, and hand-off would silently stop."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= READ_MARGIN_S:
-        raise ValueError(
-            f"RaydirectConnector: kv_connector_extra_config's kv_lease_duration={value!r}: "
-            f"write a number of seconds above {READ_MARGIN_S} (a decode engine reads only "
-            f"while more than {READ_MARGIN_S}s of it is left; {DEFAULT_LEASE_S:g} by default, "
-            "as NixlConnector's)"
+def _params(request: Request) -> dict[str, Any]:
+    """The request's ``kv_transfer_params``; {} where there are none (or, from
+    Python, something that is not a dict: ignored)."""
+    params = request.kv_transfer_params
+    return params if isinstance(params, dict) else {}
+
+
+def _remote_prefill(request: Request) -> bool:
+    """Whether the request comes with a hand-off to read. Only ``true`` asks for
+    one: vLLM's field, from the client, where a string "false" is truthy."""
+    return _params(request).get("do_remote_prefill") is True
+
+
+def _remote_decode(request: Request) -> bool:
+    """Whether the request asks this engine to prefill for a decode engine
+    (``do_remote_decode``: ``true``; anything else that is not ``false`` or
+    absent is logged, and the request finishes as any other)."""
+    try:
+        return flag(_params(request).get("do_remote_decode"), "do_remote_decode")
+    except KVParamsError as exc:
+        logger.warning(
+            "RaydirectConnector: request %s is not handed over: its kv_transfer_params' %s",
+            request.request_id,
+            exc,
         )
-    return float(value)
+        return False
+
+
+def extra_config(transfer: KVTransferConfig) -> tuple[float, bool]:
+    """``kv_connector_extra_config``'s ``kv_lease_duration`` and ``huge_pages``,
+    checked at start; ``ValueError`` naming the key. A lease no longer than the
+    read margin ends before any decode engine may read; a NaN or infinite one
+    never ends, and P would hold unread blocks for ever."""
+    lease = transfer.get_from_extra_config("kv_lease_duration", DEFAULT_LEASE_S)
+    try:
+        lease_s = finite(lease, "kv_lease_duration")
+        if not READ_MARGIN_S < lease_s <= MAX_LEASE_S:
+            raise KVParamsError("kv_lease_duration", "out of range")
+    except KVParamsError:
+        raise ValueError(
+            f"RaydirectConnector: kv_connector_extra_config's kv_lease_duration={lease!r}: "
+            f"write a number of seconds above {READ_MARGIN_S} and at most {MAX_LEASE_S:g} (a "
+            f"decode engine reads only while more than {READ_MARGIN_S}s of it is left; "
+            f"{DEFAULT_LEASE_S:g} by default, as NixlConnector's)"
+        ) from None
+    huge = transfer.get_from_extra_config("huge_pages", True)
+    if not isinstance(huge, bool):
+        raise ValueError(
+            f"RaydirectConnector: kv_connector_extra_config's huge_pages={huge!r}: write "
+            "true (the KV cache moves onto huge pages when it is exported: faster reads, "
+            "0.03-2.3 ms per MiB once at start) or false (left as vLLM allocated it)"
+        )
+    return lease_s, huge
+
+
+def status() -> list[dict[str, Any]]:
+    """What this process's schedulers hold (tests, debugging): their engine core
+    process's, or the engine's own where vLLM runs it in process."""
+    return [s.status() for s in _schedulers]
 
 
 class RaydirectConnector(KVConnectorBase_V1):
@@ -270,6 +348,8 @@ class RaydirectConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         self._scheduler: KVScheduler | None = None
         self._worker: kv_worker.KVWorker | None = None
+        assert vllm_config.kv_transfer_config is not None
+        _, huge_pages = extra_config(vllm_config.kv_transfer_config)  # refused in each role
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = KVScheduler(vllm_config)
         else:
@@ -277,6 +357,7 @@ class RaydirectConnector(KVConnectorBase_V1):
                 kv_cache_config.num_blocks,
                 get_tensor_model_parallel_rank(),
                 vllm_config.parallel_config.tensor_parallel_size,
+                huge_pages=huge_pages,
             )
 
     @property
@@ -327,6 +408,8 @@ class RaydirectConnector(KVConnectorBase_V1):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+        if self._scheduler in _schedulers:
+            _schedulers.remove(self._scheduler)
 
     # -- scheduler side -----------------------------------------------------
 

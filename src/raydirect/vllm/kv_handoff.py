@@ -24,12 +24,26 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
 )
 
+import raydirect as rd
 from raydirect.vllm.kv_layout import LayerRuns, layers_from_dict
+from raydirect.vllm.kv_params import (
+    BLOCK_ID_MAX,
+    INT64_MAX,
+    MAX_LEASE_S,
+    KVParamsError,
+    entry,
+    finite,
+    items,
+    text,
+    whole,
+)
 
 SECTION = "raydirect"
 # A decode engine starts a read only if it can finish this long before the
 # prefill engine's lease ends (clock skew between nodes, the notice's trip).
 READ_MARGIN_S = 1.0
+# Tensor-parallel ranks a hand-off may name (one region each).
+MAX_RANKS = 1024
 
 
 @dataclass
@@ -44,7 +58,7 @@ class Handshake(KVConnectorHandshakeMetadata):
 class Handoff:
     """The ``raydirect`` section of a prefill's ``kv_transfer_params``, parsed."""
 
-    regions: tuple[dict[str, Any], ...]
+    regions: tuple[rd.RegionHandle, ...]
     layout: dict[str, LayerRuns]
     block_size: int
     expires_at: float
@@ -54,47 +68,78 @@ class Handoff:
 
     @classmethod
     def of(cls, params: dict[str, Any]) -> Handoff:
-        """Parsed from ``params``, vLLM's standard fields too (they come from a
-        client: a bad one must not reach the scheduler's arithmetic); ``ValueError``
-        naming what is missing or wrong."""
+        """Parsed from ``params``, vLLM's standard fields too. All of it comes from
+        a client, so every value is checked before any arithmetic (``kv_params``):
+        ``KVParamsError`` naming the first field that is missing or wrong."""
         section = params.get(SECTION)
         if not isinstance(section, dict):
-            raise ValueError(
-                f"kv_transfer_params carry no {SECTION!r} section: they come from another "
-                "connector than RaydirectConnector"
+            raise KVParamsError(
+                SECTION,
+                "no such section: the params come from another connector than RaydirectConnector",
             )
-        try:
-            regions = tuple(dict(r) for r in section["regions"])
-            handoff = cls(
-                regions=regions,
-                layout=layers_from_dict(section["layout"]),
-                block_size=_count(section["block_size"], "block_size"),
-                expires_at=float(section["expires_at"]),
-                remote_request_id=str(params["remote_request_id"]),
-                block_ids=tuple(_count(b, "remote_block_ids") for b in params["remote_block_ids"]),
-                num_tokens=_count(params["remote_num_tokens"], "remote_num_tokens"),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ValueError(f"malformed kv_transfer_params: {exc!r}") from None
-        if handoff.block_size == 0 or len(handoff.block_ids) * handoff.block_size < (
-            handoff.num_tokens
-        ):
-            raise ValueError(
-                f"malformed kv_transfer_params: {len(handoff.block_ids)} blocks of "
-                f"{handoff.block_size} tokens cannot hold remote_num_tokens={handoff.num_tokens}"
-            )
+        where = f"{SECTION}."
+        block_size = whole(
+            entry(section, "block_size", where), f"{where}block_size", 1, BLOCK_ID_MAX
+        )
+        num_tokens = whole(entry(params, "remote_num_tokens"), "remote_num_tokens", 1, BLOCK_ID_MAX)
+        blocks = -(-num_tokens // block_size)  # what the prefill engine hands over
+        handoff = cls(
+            regions=_regions(entry(section, "regions", where)),
+            layout=layers_from_dict(entry(section, "layout", where), f"{where}layout"),
+            block_size=block_size,
+            expires_at=_expiry(entry(section, "expires_at", where)),
+            remote_request_id=text(entry(params, "remote_request_id"), "remote_request_id"),
+            block_ids=tuple(
+                whole(b, f"remote_block_ids[{i}]", high=BLOCK_ID_MAX)
+                for i, b in enumerate(
+                    items(entry(params, "remote_block_ids"), "remote_block_ids", blocks, blocks)
+                )
+            ),
+            num_tokens=num_tokens,
+        )
+        handoff._check_layout()
         return handoff
+
+    def _check_layout(self) -> None:
+        """Every layer's runs lie in a tensor each region has, and its last block's
+        end fits the int64 rows (numpy would wrap around, silently)."""
+        tensors = min(len(r.nbytes) for r in self.regions)
+        last = max(self.block_ids)
+        for name, runs in self.layout.items():
+            field = f"{SECTION}.layout[{name!r}]"
+            if runs.tensor >= tensors:
+                raise KVParamsError(f"{field}[0]", f"no tensor {runs.tensor} in the regions")
+            if runs.end(last) > INT64_MAX:
+                raise KVParamsError(field, f"block {last} ends beyond 2**63 bytes")
 
     def seconds_left(self) -> float:
         """Seconds a read may still take (its deadline, before the lease ends)."""
         return self.expires_at - READ_MARGIN_S - time.time()
 
 
-def _count(value: Any, name: str) -> int:
-    """A JSON integer >= 0 (a bool or a string is refused)."""
-    if type(value) is not int or value < 0:
-        raise ValueError(f"{name}: {value!r} is not an integer >= 0")
-    return value
+def _regions(value: Any) -> tuple[rd.RegionHandle, ...]:
+    """One region handle per prefill rank, each checked as a handle."""
+    handles = []
+    for i, region in enumerate(items(value, f"{SECTION}.regions", 1, MAX_RANKS)):
+        try:
+            handles.append(rd.RegionHandle.from_dict(region))
+        except ValueError as exc:
+            raise KVParamsError(f"{SECTION}.regions[{i}]", str(exc)[:200]) from None
+    return tuple(handles)
+
+
+def _expiry(value: Any) -> float:
+    """The lease's end, at most the longest lease ahead (``MAX_LEASE_S``, and the
+    clocks' margin): an expiry a prefill engine cannot have set (``1e999``: a read
+    with no deadline, a claim kept for ever) is refused, never clamped."""
+    expires_at = finite(value, f"{SECTION}.expires_at")
+    ahead = expires_at - time.time()
+    if ahead > MAX_LEASE_S + READ_MARGIN_S:
+        raise KVParamsError(
+            f"{SECTION}.expires_at",
+            f"ends {ahead:.3g}s from now, beyond the longest lease ({MAX_LEASE_S:g}s)",
+        )
+    return expires_at
 
 
 def handoff_params(

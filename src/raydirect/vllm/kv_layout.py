@@ -31,10 +31,17 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
+
+from raydirect.vllm import kv_params
+
+# What a prefill engine's layout may hold (it comes in the request): more
+# layers, runs per block or tensors than any model's caches have are refused.
+MAX_LAYERS = 4096
+MAX_RUNS = 1024
+MAX_TENSORS = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -52,15 +59,25 @@ class LayerRuns:
         return [self.tensor, self.base, self.block_stride, list(self.offsets), self.length]
 
     @classmethod
-    def from_list(cls, value: object) -> LayerRuns:
-        try:
-            fields: list[Any] = list(value)  # type: ignore[call-overload]
-            if len(fields) != 5:
-                raise ValueError("expected 5 fields")
-            offsets = tuple(int(o) for o in fields[3])
-            return cls(int(fields[0]), int(fields[1]), int(fields[2]), offsets, int(fields[4]))
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"a malformed KV layout entry {value!r}: {exc}") from None
+    def from_list(cls, value: object, name: str = "layout entry") -> LayerRuns:
+        """``to_list()``'s output, checked as a client's value (``KVParamsError``
+        naming the field): a prefill engine's layout arrives in the request."""
+        tensor, base, stride, offsets, length = kv_params.items(value, name, 5, 5)
+        return cls(
+            tensor=kv_params.whole(tensor, f"{name}[0]", high=MAX_TENSORS - 1),
+            base=kv_params.whole(base, f"{name}[1]"),
+            block_stride=kv_params.whole(stride, f"{name}[2]", low=1),
+            offsets=tuple(
+                kv_params.whole(o, f"{name}[3][{i}]")
+                for i, o in enumerate(kv_params.items(offsets, f"{name}[3]", 1, MAX_RUNS))
+            ),
+            length=kv_params.whole(length, f"{name}[4]", low=1),
+        )
+
+    def end(self, last_block: int) -> int:
+        """The byte after the last run of block ``last_block`` (exact: Python ints,
+        to check that the rows' int64 arithmetic cannot wrap around)."""
+        return self.base + last_block * self.block_stride + max(self.offsets) + self.length
 
     def same_block_shape(self, other: LayerRuns) -> bool:
         """Whether a block of ``other`` can be copied run by run into one of these."""
@@ -140,18 +157,12 @@ def block_rows(
     dst = np.asarray(list(dest_blocks), dtype=np.int64)
     if src.shape != dst.shape:
         raise ValueError(f"{len(src)} source blocks for {len(dst)} destination blocks")
-    if set(source) != set(dest):
-        missing = sorted(set(source) ^ set(dest))[:4]
-        raise ValueError(f"the two KV caches have other layers (e.g. {missing})")
+    problem = mismatch(source, dest)
+    if problem is not None:
+        raise ValueError(problem)
     pairs = []  # per (layer, run): source tensor, offset, stride; length; dest tensor, ...
     for name in sorted(dest):
         theirs, ours = source[name], dest[name]
-        if not theirs.same_block_shape(ours):
-            raise ValueError(
-                f"layer {name!r}: a block is {len(theirs.offsets)} runs of {theirs.length} "
-                f"bytes there, {len(ours.offsets)} of {ours.length} here (another block "
-                "size, dtype, head count or attention backend)"
-            )
         for src_off, dst_off in zip(theirs.offsets, ours.offsets, strict=True):
             pairs.append(
                 (
@@ -177,8 +188,27 @@ def block_rows(
     return table.reshape(-1, 5)
 
 
-def layers_from_dict(value: object) -> dict[str, LayerRuns]:
-    """``CacheLayout.to_dict()``'s output, parsed back (``ValueError`` if malformed)."""
-    if not isinstance(value, dict):
-        raise ValueError(f"a KV layout is a dict of layers, got {type(value).__name__}")
-    return {str(name): LayerRuns.from_list(runs) for name, runs in value.items()}
+def mismatch(source: Mapping[str, LayerRuns], dest: Mapping[str, LayerRuns]) -> str | None:
+    """Why blocks of ``source`` cannot be copied run by run into ``dest``'s, or None."""
+    if set(source) != set(dest):
+        missing = sorted(set(source) ^ set(dest))[:4]
+        return f"the two KV caches have other layers (e.g. {missing})"
+    for name in sorted(dest):
+        theirs, ours = source[name], dest[name]
+        if not theirs.same_block_shape(ours):
+            return (
+                f"layer {name!r}: a block is {len(theirs.offsets)} runs of {theirs.length} "
+                f"bytes there, {len(ours.offsets)} of {ours.length} here (another block "
+                "size, dtype, head count or attention backend)"
+            )
+    return None
+
+
+def layers_from_dict(value: object, name: str = "layout") -> dict[str, LayerRuns]:
+    """``CacheLayout.to_dict()``'s output, parsed back and checked as a client's
+    value (``KVParamsError``, a ``ValueError``, naming the field)."""
+    layers = kv_params.table(value, name, MAX_LAYERS)
+    return {
+        kv_params.text(layer, f"{name} key"): LayerRuns.from_list(runs, f"{name}[{layer!r}]")
+        for layer, runs in layers.items()
+    }

@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -36,14 +37,18 @@ import raydirect as rd
 from raydirect.vllm import cluster
 from raydirect.vllm.kv_handoff import READ_MARGIN_S, Handshake, KVMetadata, Read
 from raydirect.vllm.kv_layout import CacheLayout, block_rows, layout_of
+from raydirect.vllm.kv_params import MAX_ID_CHARS
 
 logger = logging.getLogger(__name__)
 
 READ_THREADS = 2
 NOTICE_TIMEOUT_S = 5.0
 # A notice for a lease this worker has not been handed yet (it may arrive a step
-# early) is kept this long.
+# early) is kept this long, and at most this many: notices come from any holder
+# of the region's handle, and one naming a lease this worker never held or no
+# longer holds (a late reader's, a forged one) is a stray, counted and dropped.
 STRAY_NOTICE_S = 120.0
+MAX_NOTICES = 4096
 STATUS_KEPT = 64
 
 _workers: list[KVWorker] = []  # this process's workers (status(), tests)
@@ -52,15 +57,18 @@ _workers: list[KVWorker] = []  # this process's workers (status(), tests)
 class KVWorker:
     """A worker's share of the connector (module docstring)."""
 
-    def __init__(self, num_blocks: int, rank: int, tp_size: int) -> None:
+    def __init__(self, num_blocks: int, rank: int, tp_size: int, huge_pages: bool = True) -> None:
         self.num_blocks = num_blocks
         self.rank = rank
         self.tp_size = tp_size
+        self.huge_pages = huge_pages
         self.layout: CacheLayout | None = None
         self.region: rd.Region | None = None
         self._lock = threading.Lock()
         self._leases: dict[str, float] = {}  # request -> wall-clock expiry
-        self._notices: dict[str, float] = {}  # request -> when it arrived (monotonic)
+        # request -> when it arrived (monotonic), oldest first
+        self._notices: dict[str, float] = {}
+        self._strays = 0
         self._done: set[str] = set()
         self._bad_blocks: set[int] = set()
         self._expired = 0
@@ -86,7 +94,10 @@ class KVWorker:
         cluster.join_own()
         self.layout = layout_of(kv_caches, self.num_blocks)
         self.region = rd.export_region(
-            self.layout.storages, name=f"kv-cache-rank{self.rank}", on_notice=self._on_notice
+            self.layout.storages,
+            name=f"kv-cache-rank{self.rank}",
+            on_notice=self._on_notice,
+            huge_pages=self.huge_pages,
         )
 
     def handshake(self) -> Handshake:
@@ -117,11 +128,27 @@ class KVWorker:
                         req,
                     )
                 del self._leases[req]
-            stale = [r for r, t in self._notices.items() if mono - t > STRAY_NOTICE_S]
-            for req in stale:
-                del self._notices[req]
+            self._drop_strays(lambda arrived: mono - arrived > STRAY_NOTICE_S)
             done, self._done = self._done, set()
         return sent, done
+
+    def _drop_strays(self, stale: Callable[[float], bool]) -> None:
+        """Drops the oldest notices while ``stale(arrival)`` (under the lock), as
+        strays: counted, and the first one logged (a flood of them must not
+        flood the log too)."""
+        while self._notices:
+            request, arrived = next(iter(self._notices.items()))
+            if not stale(arrived):
+                return
+            del self._notices[request]
+            self._strays += 1
+            if self._strays == 1:
+                logger.warning(
+                    "RaydirectConnector: a notice named request %s, whose blocks this worker "
+                    "does not hold (its lease ended first, or it never was this worker's); "
+                    "dropped. Later ones are only counted (the worker's status: strays)",
+                    request[:200],
+                )
 
     def load_errors(self) -> set[int]:
         with self._lock:
@@ -134,6 +161,7 @@ class KVWorker:
                 "rank": self.rank,
                 "leases": sorted(self._leases),
                 "expired": self._expired,
+                "strays": self._strays,
                 "reads": list(self._reads),
                 "failed": list(self._failed),
                 "notices": self._notifier.pending(),
@@ -152,9 +180,16 @@ class KVWorker:
 
     def _on_notice(self, message: Any) -> None:
         """A decode worker read a request's blocks, or will not: free them."""
-        if isinstance(message, dict) and isinstance(message.get("request"), str):
-            with self._lock:
-                self._notices[message["request"]] = time.monotonic()
+        if not isinstance(message, dict):
+            return
+        request = message.get("request")
+        if not isinstance(request, str) or len(request) > MAX_ID_CHARS:
+            return
+        with self._lock:
+            self._notices.pop(request, None)  # to the end: the dict stays in arrival order
+            self._notices[request] = time.monotonic()
+            if len(self._notices) > MAX_NOTICES:
+                self._drop_strays(lambda _: len(self._notices) > MAX_NOTICES)
 
     # -- decode side --------------------------------------------------------
 
@@ -234,10 +269,10 @@ class Notifier:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._queues: dict[str, deque[tuple[dict[str, Any], str]]] = {}
+        self._queues: dict[str, deque[tuple[rd.RegionHandle, str]]] = {}
 
-    def send(self, region: dict[str, Any], request: str) -> None:
-        key = str(region.get("region"))
+    def send(self, region: rd.RegionHandle, request: str) -> None:
+        key = region.region
         with self._lock:
             queue = self._queues.get(key)
             if queue is not None:
