@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import ray
+import torch
 from ray import cloudpickle
 from vllm_harness import ENGINE_START_TIMEOUT_S, Engine, prompt, save_llama
 
@@ -38,10 +39,14 @@ NEW_TOKENS = 8
 CALL_S = 120.0  # one generate call, at most (2 shared cores)
 
 
-def _connector(lease: float | None = None, policy: str | None = None) -> dict[str, Any]:
+def _connector(
+    lease: float | None = None, policy: str | None = None, **extra: Any
+) -> dict[str, Any]:
     config: dict[str, Any] = {"kv_connector": "RaydirectConnector", "kv_role": "kv_both"}
     if lease is not None:
-        config["kv_connector_extra_config"] = {"kv_lease_duration": lease}
+        extra["kv_lease_duration"] = lease
+    if extra:
+        config["kv_connector_extra_config"] = extra
     if policy is not None:  # vLLM 0.32's default is "fail"
         config["kv_load_failure_policy"] = policy
     return config
@@ -50,8 +55,10 @@ def _connector(lease: float | None = None, policy: str | None = None) -> dict[st
 @pytest.fixture(scope="module")
 def engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """P (weights A, a short lease), D (weights A, failed loads recomputed) and Q
-    (weights B), started
-    together; each engine computes on a core of its own where it can."""
+    (weights B, its cache left off huge pages), started together; each engine
+    computes on a core of its own where it can. D runs its engine core in its
+    own process (vLLM's in-process mode), so a test reads its scheduler's state
+    as it reads its worker's."""
     paths = {}
     for name, seed in (("a", 0), ("b", 7)):
         paths[name] = Path(tmp_path_factory.mktemp(f"llama-{name}"))
@@ -59,12 +66,13 @@ def engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
     specs = {
         "p": (paths["a"], "0", _connector(LEASE_S)),
         "d": (paths["a"], "1", _connector(policy="recompute")),
-        "q": (paths["b"], "0", _connector(LEASE_S)),
+        "q": (paths["b"], "0", _connector(LEASE_S, huge_pages=False)),
     }
+    in_process = {"d": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
     actors = {
         name: Engine.remote(  # type: ignore[attr-defined]
             str(path),
-            env={"VLLM_CPU_OMP_THREADS_BIND": core},
+            env={"VLLM_CPU_OMP_THREADS_BIND": core, **in_process.get(name, {})},
             kv_transfer_config=config,
             block_size=BLOCK,
         )
@@ -286,6 +294,80 @@ def test_a_hand_off_sent_twice_is_read_once(engines: dict) -> None:
     assert len(_reads(d, request)) == 1, "D read the hand-off twice"
 
 
+def _claims(engine: Any) -> set[str]:
+    """The prefill requests whose hand-off the engine's scheduler has claimed (D:
+    its engine core runs in the actor's process, where ``collective_rpc`` runs)."""
+
+    def read(_worker: Any) -> list[dict[str, Any]]:
+        from raydirect.vllm import kv_connector
+
+        return kv_connector.status()
+
+    [[scheduler]] = ray.get(engine.collective_rpc.remote(read), timeout=CALL_S)
+    return set(scheduler["claims"])
+
+
+def test_each_claim_goes_when_its_own_lease_ends(engines: dict) -> None:
+    """D keeps, per hand-off, the request that read it (a second would read
+    blocks P freed), until the hand-off's lease ends. Claims were dropped from the
+    oldest only, so one with a far expiry (a client may edit it, up to the
+    longest lease) kept every later one for ever, ~300 B a request."""
+    p, d = engines["p"], engines["d"]
+    far_ids = prompt(45, seed=1100)
+    far = _prefill(p, far_ids)
+    far["raydirect"]["expires_at"] = time.time() + 3000.0  # within an hour: accepted
+    assert _decode(d, far_ids, far) == _alone(p, far_ids)
+    later = []
+    for i in range(3):
+        ids = prompt(45, seed=1101 + i)
+        later.append(_prefill(p, ids))
+        _decode(d, ids, later[-1])
+    ids = {h["remote_request_id"] for h in later}
+    assert ids <= _claims(d)
+    ends = max(h["raydirect"]["expires_at"] for h in later)
+    wait_for(lambda: time.time() > ends, timeout=LEASE_S + 10.0, what="their leases end")
+    last_ids = prompt(45, seed=1104)
+    last = _prefill(p, last_ids)
+    _decode(d, last_ids, last)  # a claim: the ones whose lease ended go
+    claims = _claims(d)
+    assert {far["remote_request_id"], last["remote_request_id"]} <= claims
+    assert not ids & claims, "claims past their lease were kept"
+
+
+def _kv_huge_bytes(_worker: Any) -> int:
+    """Bytes of the worker's KV cache on transparent huge pages (its smaps)."""
+    from raydirect.vllm import kv_worker
+
+    [worker] = kv_worker._workers
+    assert worker.layout is not None
+    spans = [(t.data_ptr(), t.data_ptr() + t.numel()) for t in worker.layout.storages]
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            if "-" in line.split(" ", 1)[0]:
+                start, end = (int(x, 16) for x in line.split(" ", 1)[0].split("-"))
+                inside = any(start < e and s < end for s, e in spans)
+            elif inside and line.startswith("AnonHugePages:"):
+                total += int(line.split()[1]) << 10
+    return total
+
+
+def test_huge_pages_false_leaves_the_cache_as_vllm_allocated_it(engines: dict) -> None:
+    """``huge_pages`` in kv_connector_extra_config reaches the region's export:
+    Q's cache (``false``) stays on 4 KiB pages, P's (the default) moved. Before,
+    there was no knob, and an engine with a large CPU cache spent seconds in
+    ``register_kv_caches`` collapsing it."""
+    from raydirect import _huge_pages
+
+    probe = torch.ones(4 << 20, dtype=torch.uint8)
+    if not _huge_pages.collapse(probe.data_ptr(), probe.numel()):
+        pytest.skip("this kernel cannot collapse memory onto huge pages")
+    [moved] = ray.get(engines["p"].collective_rpc.remote(_kv_huge_bytes), timeout=CALL_S)
+    [left] = ray.get(engines["q"].collective_rpc.remote(_kv_huge_bytes), timeout=CALL_S)
+    assert moved >= 64 << 20, moved
+    assert left < moved // 16, (left, moved)
+
+
 def test_a_stopped_prefill_engine_holds_up_no_other_engines_reads(engines: dict) -> None:
     """Q is stopped (SIGSTOP) after its prefills; D reads Q's hand-offs (its memory
     stays readable) and P's in one batch. D's notices to Q wait out their timeout:
@@ -448,26 +530,78 @@ def test_tensor_parallel_2_prefill_killed_fails_clearly(tp2_engines: dict) -> No
     assert all(params["remote_request_id"] in w["failed"] for w in _workers(d))
 
 
-@pytest.mark.parametrize("lease", [1.0, 0.8, 0, -5, "30", True, None])
-def test_a_lease_too_short_to_read_is_refused_at_start(lease: Any) -> None:
-    """A lease no longer than the decode side's read margin ended before any
-    decode engine could read: every hand-off was silently prefilled again."""
+def _scheduler_config(extra: dict[str, Any]) -> Any:
+    """What ``KVScheduler`` reads of an engine's config, with vLLM's own
+    ``KVTransferConfig`` built from JSON text, as ``--kv-transfer-config`` is."""
     from vllm.config import KVTransferConfig
 
+    text = json.dumps({"kv_connector": "RaydirectConnector", "kv_role": "kv_both",
+                       "kv_connector_extra_config": extra})  # fmt: skip
+    return SimpleNamespace(
+        kv_transfer_config=KVTransferConfig(**json.loads(text)),
+        cache_config=SimpleNamespace(block_size=BLOCK),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1),
+    )
+
+
+@pytest.mark.parametrize(
+    "lease",
+    [
+        1.0,
+        0.8,
+        0,
+        -5,
+        "30",
+        True,
+        None,
+        float("nan"),
+        float("inf"),
+        -float("inf"),
+        3601,
+        pytest.param(10**400, id="400-digits"),
+    ],  # fmt: skip
+)
+def test_a_lease_too_short_to_read_is_refused_at_start(lease: Any) -> None:
+    """A lease no longer than the decode side's read margin ended before any
+    decode engine could read: every hand-off was silently prefilled again. A NaN
+    (JSON's ``NaN``) or infinite one passed, and P never freed unread blocks; a
+    400-digit one raised OverflowError; none longer than an hour is taken."""
     from raydirect.vllm.kv_connector import KVScheduler
 
-    def config(value: Any) -> Any:
-        transfer = KVTransferConfig(
-            kv_connector="RaydirectConnector",
-            kv_role="kv_both",
-            kv_connector_extra_config={"kv_lease_duration": value},
-        )
-        return SimpleNamespace(
-            kv_transfer_config=transfer,
-            cache_config=SimpleNamespace(block_size=BLOCK),
-            parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        )
+    with pytest.raises(ValueError, match=r"kv_lease_duration=.*above 1\.0 and at most 3600"):
+        KVScheduler(_scheduler_config({"kv_lease_duration": lease}))
+    assert KVScheduler(_scheduler_config({"kv_lease_duration": 1.5})).lease_s == 1.5
+    assert KVScheduler(_scheduler_config({"kv_lease_duration": 3600})).lease_s == 3600
 
-    with pytest.raises(ValueError, match=r"kv_lease_duration=.*above 1\.0"):
-        KVScheduler(config(lease))
-    assert KVScheduler(config(1.5)).lease_s == 1.5
+
+@pytest.mark.parametrize("value", ["false", 0, 1, None, "yes"])
+def test_huge_pages_other_than_true_or_false_is_refused_at_start(value: Any) -> None:
+    from raydirect.vllm.kv_connector import KVScheduler
+
+    with pytest.raises(ValueError, match=r"huge_pages=.*write true .* or false"):
+        KVScheduler(_scheduler_config({"huge_pages": value}))
+    KVScheduler(_scheduler_config({"huge_pages": False}))
+
+
+def test_notices_for_leases_not_held_are_counted_and_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Any holder of P's region handle may send notices: ones naming leases the
+    worker does not hold (late, or forged) were kept silently, without bound
+    while they came faster than they aged out. Now at most ``MAX_NOTICES`` wait,
+    the oldest go first, counted, and the first is logged."""
+    from raydirect.vllm import kv_worker
+
+    worker = kv_worker.KVWorker(num_blocks=4, rank=0, tp_size=1)
+    try:
+        with caplog.at_level("WARNING", logger=kv_worker.__name__):
+            for i in range(kv_worker.MAX_NOTICES + 10):
+                worker._on_notice({"request": f"forged-{i}"})
+            worker._on_notice({"request": "x" * 100_000})  # not a request id: ignored
+            worker._on_notice({"request": 7})
+        assert worker.status()["strays"] == 10
+        lines = [r for r in caplog.records if "does not hold" in r.getMessage()]
+        assert len(lines) == 1 and "forged-0" in lines[0].getMessage()
+        assert worker.results() == (set(), set())
+    finally:
+        worker.shutdown()

@@ -223,3 +223,82 @@ def test_a_prefill_error_reaches_the_client(proxy: str) -> None:
     body = {"model": "no-such-model", "prompt": [1, 2, 3], "max_tokens": 4}
     reply = requests.post(f"{proxy}/v1/completions", json=body, timeout=CALL_S)
     assert reply.status_code == 404 and "no-such-model" in reply.text
+
+
+# A client's numbers, as JSON carries them to D: FastAPI reads 1e999 as infinity
+# and keeps an integer of any length. (path in kv_transfer_params, literal, field)
+FORGED = {
+    "a layout offset of 1e999": (("raydirect", "layout", 0, 1), "1e999", "raydirect.layout"),
+    "a 400-digit expires_at": (("raydirect", "expires_at"), "9" * 400, "raydirect.expires_at"),
+    "an expires_at of 1e999": (("raydirect", "expires_at"), "1e999", "raydirect.expires_at"),
+}
+
+
+def _forged_body(
+    url: str, ids: list[int], params: dict[str, Any], path: tuple, literal: str
+) -> str:
+    """A completion request with ``params`` whose value at ``path`` (an int: the
+    layout's n-th layer) is ``literal``, written as JSON text: Python's json
+    writes no 1e999."""
+    forged = json.loads(json.dumps(params))
+    *outer, last = path
+    place = forged
+    for key in outer:
+        place = place[list(place)[key]] if isinstance(key, int) else place[key]
+    place[last] = "__forged__"
+    body = {"model": _model(url), "prompt": ids, "max_tokens": NEW_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "return_token_ids": True, "kv_transfer_params": forged}  # fmt: skip
+    return json.dumps(body).replace('"__forged__"', literal)
+
+
+def _post_raw(url: str, body: str) -> requests.Response:
+    headers = {"Content-Type": "application/json"}
+    return requests.post(f"{url}/v1/completions", data=body, headers=headers, timeout=CALL_S)
+
+
+def _logged(server: ApiServer, since: int) -> list[str]:
+    """The connector's lines in the server's log after byte ``since``."""
+    text = server.log.read_bytes()[since:].decode(errors="replace")
+    return [line for line in text.splitlines() if "RaydirectConnector" in line]
+
+
+def test_forged_numbers_end_their_request_alone_and_d_serves_on(
+    servers: dict[str, ApiServer], proxy: str
+) -> None:
+    """Each forged value is refused naming its field, in one line, and its request
+    prefilled on D (the right tokens; nothing read from P: an expiry of 1e999 read
+    with no deadline). Before, ``int(inf)`` and ``float(10**400)`` raised
+    OverflowError in D's scheduler, which killed its engine core, as did the same
+    params on a request vLLM rejected (too long a prompt: its abort runs the
+    connector too). D then serves the next hand-off, read from P as before."""
+    p, d = servers["p"], servers["d"]
+    ids = prompt(45, seed=970)
+    params = _complete(p.url, ids, 1, kv_transfer_params={"do_remote_decode": True})[
+        "kv_transfer_params"
+    ]
+    alone = _alone(servers, ids)
+    for what, (path, literal, field) in FORGED.items():
+        since, (reads, _) = d.log.stat().st_size, _received(d)
+        reply = _post_raw(d.url, _forged_body(d.url, ids, params, path, literal))
+        assert reply.ok, f"{what}: {reply.status_code} {reply.text[:300]}"
+        assert _tokens(reply.json()) == alone, what
+        assert _delta(_received(d)[0], reads) == {}, f"{what}: D read P's blocks"
+        wait_for(lambda: _logged(d, since), timeout=10.0, what=f"D's line on {what}")  # noqa: B023
+        [line] = _logged(d, since)
+        assert field in line, line
+    since = d.log.stat().st_size
+    too_long = prompt(200, seed=971)  # beyond --max-model-len: refused before it runs
+    reply = _post_raw(
+        d.url, _forged_body(d.url, too_long, params, *FORGED["a layout offset of 1e999"][:2])
+    )
+    assert reply.status_code == 400, reply.text[:300]
+    wait_for(lambda: _logged(d, since), timeout=10.0, what="D's line on the rejected request")
+    assert "raydirect.layout" in _logged(d, since)[0]
+    # D lives: a new hand-off through the proxy is read from P, in one read
+    fresh = prompt(100, seed=972)
+    reads, _ = _received(d)
+    assert _tokens(_complete(proxy, fresh, NEW_TOKENS)) == _alone(servers, fresh)
+    assert _delta(_received(d)[0], reads) == {"cma": 1}
+    # the genuine params at last: D reads what its prefix cache lacks, and P frees
+    assert _tokens(_complete(d.url, ids, NEW_TOKENS, kv_transfer_params=params)) == alone
+    wait_for(lambda: _all_free(p), timeout=10.0, what="P frees the blocks")

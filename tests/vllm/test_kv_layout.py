@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from raydirect.vllm.kv_layout import LayerRuns, block_rows, layers_from_dict, layout_of
+from raydirect.vllm.kv_params import KVParamsError
 
 BLOCKS, BLOCK, HEADS, HEAD_DIM = 6, 16, 2, 8
 
@@ -77,5 +78,27 @@ def test_other_layouts_are_refused_before_anything_moves() -> None:
         block_rows(cpu.layers, cpu.layers, [0, 1], [0])
     with pytest.raises(ValueError, match="no block dimension"):
         layout_of({"x": torch.zeros(3, 4)}, BLOCKS)
-    with pytest.raises(ValueError, match="malformed"):
+    with pytest.raises(ValueError, match=r"layout\['x'\]: 2 elements, not 5"):
         layers_from_dict({"x": [0, 1]})
+
+
+@pytest.mark.parametrize(
+    ("entry", "field"),
+    [
+        ([0, float("inf"), 64, [0], 64], r"\[1\]: inf is not an integer"),  # JSON's 1e999
+        ([0, 10**400, 64, [0], 64], r"\[1\]: an integer of 1329 bits"),
+        ([0, 0, 64, [0], True], r"\[4\]: True is not an integer"),
+        ([0, 0, 64.0, [0], 64], r"\[2\]: 64.0 is not an integer"),
+        ([0, 0, 0, [0], 64], r"\[2\]: 0 is not between 1"),
+        ([-1, 0, 64, [0], 64], r"\[0\]: -1 is not between 0"),
+        ([0, 0, 64, [], 64], r"\[3\]: 0 elements"),
+        ([0, 0, 64, [float("nan")], 64], r"\[3\]\[0\]: nan is not an integer"),
+        ("01234", r"'x'\]: '01234' is not a list"),
+    ],
+)
+def test_a_hostile_layout_entry_is_refused_naming_its_field(entry: object, field: str) -> None:
+    """A prefill engine's layout comes in the request: ``int(inf)`` raised
+    OverflowError (no ValueError), which escaped into vLLM's scheduler."""
+    with pytest.raises(KVParamsError, match=field) as refused:
+        layers_from_dict({"x": entry})
+    assert refused.value.field.startswith("layout['x']")
