@@ -276,8 +276,20 @@ def _params(request: Request) -> dict[str, Any]:
 
 def _remote_prefill(request: Request) -> bool:
     """Whether the request comes with a hand-off to read. Only ``true`` asks for
-    one: vLLM's field, from the client, where a string "false" is truthy."""
-    return _params(request).get("do_remote_prefill") is True
+    one: vLLM's field, from the client, where a string "false" is truthy. Any
+    other value is logged once (it is then set to false) and read as false."""
+    params = _params(request)
+    try:
+        return flag(params.get("do_remote_prefill"), "do_remote_prefill")
+    except KVParamsError as exc:
+        params["do_remote_prefill"] = False
+        logger.warning(
+            "RaydirectConnector: request %s has nothing read for it (its kv_transfer_params' "
+            "%s): prefilled here",
+            request.request_id,
+            exc,
+        )
+        return False
 
 
 def _remote_decode(request: Request) -> bool:
