@@ -226,10 +226,21 @@ def test_a_prefill_error_reaches_the_client(proxy: str) -> None:
 
 
 # A client's numbers, as JSON carries them to D: FastAPI reads 1e999 as infinity
-# and keeps an integer of any length. (path in kv_transfer_params, literal, field)
+# and keeps an integer of any length; vLLM 0.32 refuses those beyond 64 bits
+# itself (its engine's MessagePack carries no more), so 2**64 - 1 is the largest
+# that reaches the connector. (path in kv_transfer_params, literal, field)
 FORGED = {
     "a layout offset of 1e999": (("raydirect", "layout", 0, 1), "1e999", "raydirect.layout"),
-    "a 400-digit expires_at": (("raydirect", "expires_at"), "9" * 400, "raydirect.expires_at"),
+    "a block stride of 2**64-1": (
+        ("raydirect", "layout", 0, 2),
+        str(2**64 - 1),
+        "raydirect.layout",
+    ),
+    "an expires_at of 2**64-1": (
+        ("raydirect", "expires_at"),
+        str(2**64 - 1),
+        "raydirect.expires_at",
+    ),
     "an expires_at of 1e999": (("raydirect", "expires_at"), "1e999", "raydirect.expires_at"),
 }
 
@@ -266,11 +277,12 @@ def test_forged_numbers_end_their_request_alone_and_d_serves_on(
     servers: dict[str, ApiServer], proxy: str
 ) -> None:
     """Each forged value is refused naming its field, in one line, and its request
-    prefilled on D (the right tokens; nothing read from P: an expiry of 1e999 read
-    with no deadline). Before, ``int(inf)`` and ``float(10**400)`` raised
-    OverflowError in D's scheduler, which killed its engine core, as did the same
-    params on a request vLLM rejected (too long a prompt: its abort runs the
-    connector too). D then serves the next hand-off, read from P as before."""
+    prefilled on D (the right tokens; nothing read from P). Before, ``int(inf)``
+    raised OverflowError in D's scheduler, which killed its engine core, as did
+    the same params on a request vLLM rejected (too long a prompt: its abort runs
+    the connector too); a stride of 2**64-1 failed the read (numpy's int64), so
+    the request ended in an error; an expiry of 1e999 or 2**64-1 read with no
+    deadline. D then serves the next hand-off, read from P as before."""
     p, d = servers["p"], servers["d"]
     ids = prompt(45, seed=970)
     params = _complete(p.url, ids, 1, kv_transfer_params={"do_remote_decode": True})[
@@ -286,6 +298,10 @@ def test_forged_numbers_end_their_request_alone_and_d_serves_on(
         wait_for(lambda: _logged(d, since), timeout=10.0, what=f"D's line on {what}")  # noqa: B023
         [line] = _logged(d, since)
         assert field in line, line
+    reply = _post_raw(
+        d.url, _forged_body(d.url, ids, params, ("raydirect", "expires_at"), "9" * 400)
+    )
+    assert reply.status_code == 400 and "2**64" in reply.text, reply.text[:300]  # vLLM's own
     since = d.log.stat().st_size
     too_long = prompt(200, seed=971)  # beyond --max-model-len: refused before it runs
     reply = _post_raw(
