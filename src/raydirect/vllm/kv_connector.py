@@ -142,8 +142,8 @@ class KVScheduler:
             return handoff, problem is None
         params["do_remote_prefill"] = False
         logger.warning(
-            "RaydirectConnector: request %s has nothing read for it (%s): prefilled here, "
-            "and its prefill engine frees the blocks at its lease's end",
+            "RaydirectConnector: request %s has nothing read for it (%s): computed here "
+            "if it runs, and its prefill engine frees the blocks at its lease's end",
             request.request_id,
             problem,
         )
