@@ -30,8 +30,7 @@ from vllm_harness import (
     LOGPROB_TOLERANCE,
     DictSource,
     hf_prompt_logprobs,
-    loads_fail,
-    loads_mended,
+    loads_failing,
     max_difference,
     prompt,
     random_llama,
@@ -519,13 +518,12 @@ def test_a_failure_inside_the_load_is_reported_as_such(tp2_engine: Any) -> None:
     model = random_llama(seed=62)
     trainer = _trainer([tp2_engine], ModuleSource(model))
     trainer.send_weights()  # the layout is surveyed: the next update only loads
-    assert ray.get(tp2_engine.collective_rpc.remote(loads_fail(1))) == [False, True]
     _stepped(model, 1.1)
-    try:
-        with pytest.raises(rd.WeightSyncError, match="committed, but loading it failed") as info:
-            trainer.send_weights()
-    finally:
-        ray.get(tp2_engine.collective_rpc.remote(loads_mended))
+    with (
+        loads_failing(tp2_engine, rank=1),
+        pytest.raises(rd.WeightSyncError, match="committed, but loading it failed") as info,
+    ):
+        trainer.send_weights()
     said = str(info.value)
     assert "worker 1/2" in said and "a loader bug" in said and "hold a mix" in said, said
     assert "worker 0/2" not in said

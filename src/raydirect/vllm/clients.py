@@ -17,6 +17,7 @@ Any other client finishes with the version, as vLLM's own backends do.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Any
 
 import ray
@@ -65,16 +66,10 @@ def update_each(client: Any, update: dict[str, Any]) -> None:
 def held_by_index(reports: dict[str, Any], engines: int) -> list[bool]:
     """Which engines (by index) loaded the version: every worker of theirs that
     joined reported its load, without an error."""
-    held = [False] * engines
-    seen: dict[int, bool] = {}
+    loads: dict[int, list[bool]] = defaultdict(list)
     for worker, who in reports["workers"].items():
-        index = int(who.get("index", -1))
-        loaded = reports["said"].get(worker) == ""
-        seen[index] = seen.get(index, True) and loaded
-    for index, loaded in seen.items():
-        if 0 <= index < engines:
-            held[index] = loaded
-    return held
+        loads[int(who.get("index", -1))].append(reports["said"].get(worker) == "")
+    return [bool(loads[i]) and all(loads[i]) for i in range(engines)]
 
 
 def set_versions(client: Any, held: list[bool], version: str, timeout: float) -> None:

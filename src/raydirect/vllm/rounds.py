@@ -138,7 +138,7 @@ def drive(
     if not closed and _nothing_loaded(second):
         return _not_applied(version, problems + _reported(second))
     held = clients.held_by_index(second, engines) if engines else None
-    if held is not None and any(held):
+    if held is not None:
         try:
             clients.set_versions(round_.client, held, str(version), _SLACK)
         except Exception as exc:
