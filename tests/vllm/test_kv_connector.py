@@ -26,6 +26,7 @@ import torch
 from ray import cloudpickle
 from vllm_harness import ENGINE_START_TIMEOUT_S, Engine, prompt, save_llama
 
+import raydirect as rd
 from raydirect.vllm.cluster import NODE_IP, export_ray_context
 
 from helpers import wait_for
@@ -66,7 +67,9 @@ def engines(ray_session: None, tmp_path_factory: pytest.TempPathFactory) -> Iter
     specs = {
         "p": (paths["a"], "0", _connector(LEASE_S)),
         "d": (paths["a"], "1", _connector(policy="recompute")),
-        "q": (paths["b"], "0", _connector(LEASE_S, huge_pages=False)),
+        # Q names its checkpoint A's (kv_model_id): the fingerprints match, and
+        # D decodes from Q's KV of other weights (test_the_kv_came_from_...).
+        "q": (paths["b"], "0", _connector(LEASE_S, huge_pages=False, kv_model_id=str(paths["a"]))),
     }
     in_process = {"d": {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}}
     actors = {
@@ -310,12 +313,11 @@ def _claims(engine: Any) -> set[str]:
 def test_each_claim_goes_when_its_own_lease_ends(engines: dict) -> None:
     """D keeps, per hand-off, the request that read it (a second would read
     blocks P freed), until the hand-off's lease ends. Claims were dropped from the
-    oldest only, so one with a far expiry (a client may edit it, up to the
-    longest lease) kept every later one for ever, ~300 B a request."""
+    oldest only, so one with a far expiry (a prefill engine with a long lease)
+    kept every later one for ever, ~300 B a request."""
     p, d = engines["p"], engines["d"]
     far_ids = prompt(45, seed=1100)
-    far = _prefill(p, far_ids)
-    far["raydirect"]["expires_at"] = time.time() + 3000.0  # within an hour: accepted
+    far = _resigned(_prefill(p, far_ids), expires_at=time.time() + 3000.0)
     assert _decode(d, far_ids, far) == _alone(p, far_ids)
     later = []
     for i in range(3):
@@ -332,6 +334,123 @@ def test_each_claim_goes_when_its_own_lease_ends(engines: dict) -> None:
     claims = _claims(d)
     assert {far["remote_request_id"], last["remote_request_id"]} <= claims
     assert not ids & claims, "claims past their lease were kept"
+
+
+def _resigned(params: dict[str, Any], **section: Any) -> dict[str, Any]:
+    """``params`` with ``section``'s values in their raydirect section, signed
+    again with the cluster's key, as a prefill engine of this cluster would sign
+    them (the driver is a member): a hand-off that is genuine but for what a
+    test makes differ (another engine's fingerprint, another clock)."""
+    from raydirect.vllm import kv_handoff
+
+    changed = json.loads(json.dumps(params))
+    changed["raydirect"].update(section)
+    key = rd.cluster_secret(kv_handoff.KEY_PURPOSE)
+    changed["raydirect"]["mac"] = kv_handoff._mac(changed, key)
+    return changed
+
+
+def _region(params: dict[str, Any]) -> rd.RegionHandle:
+    return rd.RegionHandle.from_dict(params["raydirect"]["regions"][0])
+
+
+def test_a_hand_off_steered_at_another_requests_blocks_is_not_read(engines: dict) -> None:
+    """A client that edits one hand-off's block ids to another live one's made D
+    read that other prompt's KV (its tokens, another tenant's) and cache it
+    under this prompt's hashes. P signs what D reads by: the edit is refused,
+    D computes the prompt, and the other hand-off still reads as it should."""
+    p, d = engines["p"], engines["d"]
+    mine, theirs = prompt(45, seed=1200), prompt(45, seed=1201)
+    params, other = _prefill(p, mine), _prefill(p, theirs)
+    steered = {**params, "remote_block_ids": other["remote_block_ids"]}
+    assert _decode(d, mine, steered) == _alone(p, mine)
+    assert not _reads(d, params["remote_request_id"]), "D read blocks a client picked"
+    edited = json.loads(json.dumps(params))
+    edited["raydirect"]["regions"][0]["nbytes"][0] *= 2  # a handle's extent, edited
+    edited_ids = prompt(45, seed=1202)
+    assert _decode(d, edited_ids, edited) == _alone(p, edited_ids)
+    assert _decode(d, theirs, other) == _alone(p, theirs)
+    assert _reads(d, other["remote_request_id"])
+
+
+def test_a_forged_notice_frees_nothing(engines: dict) -> None:
+    """Any notice naming a live request freed its blocks: its real decode then
+    read reused blocks. Now a notice must carry the hand-off's secret (given only
+    in its params): one without it, or with another, is counted and ignored."""
+    p, d = engines["p"], engines["d"]
+    ids = prompt(45, seed=1300)
+    params = _prefill(p, ids)
+    request = params["remote_request_id"]
+    wait_for(lambda: request in _leases(p), timeout=5.0, what="P's worker holds the lease")
+    [before] = _workers(p)
+    rd.notify_region(_region(params), {"request": request}, timeout=10.0)
+    rd.notify_region(_region(params), {"request": request, "seal": "0" * 32}, timeout=10.0)
+    wait_for(
+        lambda: _workers(p)[0]["forged"] > before["forged"], timeout=10.0, what="P sees it"
+    )
+    assert request in _leases(p), "a forged notice freed the blocks"
+    assert _decode(d, ids, params) == _alone(p, ids)
+    [read] = _reads(d, request)
+    assert read["blocks"] == len(params["remote_block_ids"])
+
+
+def test_another_engines_kv_is_not_decoded(engines: dict) -> None:
+    """Another dtype (or cache dtype, checkpoint, backend, vLLM) lays blocks out
+    byte for byte alike: D decoded its KV as garbage. A hand-off, signed by an
+    engine of the cluster, whose fingerprint differs from D's is computed here."""
+    p, d = engines["p"], engines["d"]
+    ids = prompt(45, seed=1400)
+    params = _prefill(p, ids)
+    fingerprint = {**params["raydirect"]["fingerprint"], "dtype": "torch.bfloat16"}
+    other = _resigned(params, fingerprint=fingerprint)
+    assert _decode(d, ids, other) == _alone(p, ids)
+    assert not _reads(d, params["remote_request_id"]), "D read another engine's KV"
+
+
+def test_a_read_of_blocks_p_freed_is_a_load_error(engines: dict) -> None:
+    """P's clock ahead of D's: the hand-off's expiry, on D's clock, is later than
+    P's own. D started reads of blocks P had freed and read them as good KV.
+    Now P clears the hand-off's seal before vLLM frees the blocks, and D checks it
+    after its read: the read is a load error (D recomputes here), never KV."""
+    p, d = engines["p"], engines["d"]
+    ids = prompt(45, seed=1500)
+    params = _prefill(p, ids)
+    request = params["remote_request_id"]
+    skewed = _resigned(params, expires_at=params["raydirect"]["expires_at"] + 60.0)
+    wait_for(
+        lambda: request not in _leases(p) and _all_free(p),
+        timeout=LEASE_S + 10.0,
+        what="P frees the blocks at its lease's end",
+    )
+    assert _decode(d, ids, skewed) == _alone(p, ids)
+    [worker] = _workers(d)
+    assert request in worker["failed"], "D read freed blocks as good KV"
+    assert not _reads(d, request)
+
+
+def test_a_waiting_request_renews_its_lease(engines: dict) -> None:
+    """A request queued on D past P's lease was prefilled on D though P held its
+    KV. D renews the lease while its request waits (at once, then every third of
+    it): renewed with the hand-off's secret, P holds the blocks past the lease."""
+    p, d = engines["p"], engines["d"]
+    ids = prompt(45, seed=1600)
+    params = _prefill(p, ids)
+    request, secret = params["remote_request_id"], params["raydirect"]["seal"][1]
+    wait_for(lambda: request in _leases(p), timeout=5.0, what="P's worker holds the lease")
+    [before] = _workers(p)
+    ends = time.monotonic() + LEASE_S + 4.0
+    while time.monotonic() < ends:
+        rd.notify_region(_region(params), {"renew": [[request, secret]]}, timeout=10.0)
+        assert request in _leases(p), "P freed blocks whose lease was renewed"
+        time.sleep(LEASE_S / 3)  # pacing, as D's worker renews: nothing is waited for
+    [after] = _workers(p)
+    assert after["renewed"] >= before["renewed"] + 4 and request in after["leases"]
+    assert time.time() > params["raydirect"]["expires_at"], "past the first expiry"
+    # D's clock now says what the renewals did (they came from here, not from D)
+    renewed = _resigned(params, expires_at=time.time() + LEASE_S)
+    assert _decode(d, ids, renewed) == _alone(p, ids)
+    [read] = _reads(d, request)
+    assert read["blocks"] == len(params["remote_block_ids"])
 
 
 def _kv_huge_bytes(_worker: Any) -> int:
@@ -596,7 +715,7 @@ def test_notices_for_leases_not_held_are_counted_and_logged_once(
     try:
         with caplog.at_level("WARNING", logger=kv_worker.__name__):
             for i in range(kv_worker.MAX_NOTICES + 10):
-                worker._on_notice({"request": f"forged-{i}"})
+                worker._on_notice({"request": f"forged-{i}", "seal": "0" * 32})
             worker._on_notice({"request": "x" * 100_000})  # not a request id: ignored
             worker._on_notice({"request": 7})
         assert worker.status()["strays"] == 10
