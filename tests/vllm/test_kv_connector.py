@@ -385,9 +385,7 @@ def test_a_forged_notice_frees_nothing(engines: dict) -> None:
     [before] = _workers(p)
     rd.notify_region(_region(params), {"request": request}, timeout=10.0)
     rd.notify_region(_region(params), {"request": request, "seal": "0" * 32}, timeout=10.0)
-    wait_for(
-        lambda: _workers(p)[0]["forged"] > before["forged"], timeout=10.0, what="P sees it"
-    )
+    wait_for(lambda: _workers(p)[0]["forged"] > before["forged"], timeout=10.0, what="P sees it")
     assert request in _leases(p), "a forged notice freed the blocks"
     assert _decode(d, ids, params) == _alone(p, ids)
     [read] = _reads(d, request)

@@ -163,8 +163,8 @@ def test_decode_through_the_proxy_equals_a_single_engine(
     got = _tokens(_complete(proxy, ids, NEW_TOKENS))
     after_reads, after_bytes = _received(servers["d"])
     # D read the prompt's KV from P, every block of it, in one read: not recomputed
-    assert _delta(after_reads, reads) == {"cma": 1}
-    assert _delta(after_bytes, nbytes) == {"cma": -(-length // BLOCK) * BLOCK_BYTES}
+    assert _delta(after_reads, reads) == {"cma": 2}  # the blocks, then the seal word
+    assert _delta(after_bytes, nbytes) == {"cma": -(-length // BLOCK) * BLOCK_BYTES + 8}
     assert got == _alone(servers, ids)
     wait_for(lambda: _all_free(servers["p"]), timeout=10.0, what="P frees the blocks")
 
@@ -180,7 +180,7 @@ def test_a_chat_through_the_proxy_equals_a_single_engine(
     reads, _ = _received(servers["d"])
     through = requests.post(f"{proxy}/v1/chat/completions", json=body, timeout=CALL_S)
     assert through.ok, through.text
-    assert _delta(_received(servers["d"])[0], reads) == {"cma": 1}
+    assert _delta(_received(servers["d"])[0], reads) == {"cma": 2}  # the blocks, then the seal word
     alone = requests.post(f"{servers['p'].url}/v1/chat/completions", json=body, timeout=CALL_S)
     assert alone.ok, alone.text
     said = [r.json()["choices"][0]["message"]["content"] for r in (through, alone)]
@@ -314,7 +314,7 @@ def test_forged_numbers_end_their_request_alone_and_d_serves_on(
     fresh = prompt(100, seed=972)
     reads, _ = _received(d)
     assert _tokens(_complete(proxy, fresh, NEW_TOKENS)) == _alone(servers, fresh)
-    assert _delta(_received(d)[0], reads) == {"cma": 1}
+    assert _delta(_received(d)[0], reads) == {"cma": 2}  # the blocks, then the seal word
     # the genuine params at last: D reads what its prefix cache lacks, and P frees
     assert _tokens(_complete(d.url, ids, NEW_TOKENS, kv_transfer_params=params)) == alone
     wait_for(lambda: _all_free(p), timeout=10.0, what="P frees the blocks")

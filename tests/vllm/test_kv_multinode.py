@@ -54,17 +54,22 @@ def test_prefill_and_decode_are_on_distinct_nodes_and_encrypt(report: dict[str, 
     assert report["d"]["encryption"] in ("tls", "ktls")
 
 
+SEAL_BYTES = 8  # the hand-off's seal word, read after the blocks
+
+
 @pytest.mark.parametrize("length", LENGTHS)
 def test_decode_reads_the_kv_over_tcp(report: dict[str, Any], length: str) -> None:
     """D read every block of the prompt from P, in one read over tcp (the
-    encrypted stream port: nothing else crosses nodes under encryption), and
-    answers as a single engine."""
+    encrypted stream port: nothing else crosses nodes under encryption), then
+    the hand-off's seal word (8 bytes: P had not freed them), and answers as a
+    single engine."""
     handoff = report[length]
     assert handoff["blocks"] == -(-int(length) // BLOCK)
-    assert handoff["objects"] == {"tcp": 1}, handoff
-    assert handoff["bytes"] == {"tcp": handoff["blocks"] * BLOCK_BYTES}, handoff
+    assert handoff["objects"] == {"tcp": 2}, handoff
+    assert handoff["bytes"] == {"tcp": handoff["blocks"] * BLOCK_BYTES + SEAL_BYTES}, handoff
     [read] = handoff["reads"]
-    assert read["blocks"] == handoff["blocks"] and read["bytes"] == handoff["bytes"]["tcp"]
+    assert read["blocks"] == handoff["blocks"]
+    assert read["bytes"] == handoff["bytes"]["tcp"] - SEAL_BYTES
     assert handoff["reason"] == "length" and handoff["tokens"] == handoff["alone"]
 
 
