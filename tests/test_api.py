@@ -49,6 +49,7 @@ def test_public_names():
             "TransportUnavailableError",
             "UnknownTransportError",
             "broadcast",
+            "cluster_secret",
             "create_collective_group",
             "destroy_collective_group",
             "export_region",

@@ -25,6 +25,7 @@ from raydirect._ray import init_ray
 from raydirect._region_handle import RegionHandle
 from raydirect._region_reads import notify_region, read_ranges, read_ranges_async
 from raydirect._regions import Region, export_region
+from raydirect._secrets import cluster_secret
 from raydirect._store import LocalStats
 from raydirect._subscriber import WeightSubscriber
 from raydirect._weights import WeightPublisher
@@ -68,6 +69,7 @@ __all__ = [
     "WeightSyncError",
     "WeightsHandle",
     "broadcast",
+    "cluster_secret",
     "create_collective_group",
     "destroy_collective_group",
     "export_region",

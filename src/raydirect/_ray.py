@@ -207,6 +207,26 @@ def transport_records() -> list[str]:
     return [k[len(_TRANSPORT_KEY_PREFIX) :].decode() for k in keys]
 
 
+# The root of ``rd.cluster_secret`` where Ray's token authentication is off.
+_SECRET_KEY = b"raydirect/secret/v1"
+_SECRET_TRIES = 3
+
+
+def cluster_random_key(new: bytes) -> bytes:
+    """The cluster's random key in Ray's internal KV store: ``new`` is stored
+    unless a key is already (the first process to ask makes it), then the stored
+    one is read back, so every process gets the same. ``RuntimeError`` when the
+    store keeps losing it."""
+    from ray.experimental import internal_kv
+
+    for _ in range(_SECRET_TRIES):  # deleted between the put and the get: put again
+        internal_kv._internal_kv_put(_SECRET_KEY, new, overwrite=False)
+        stored = internal_kv._internal_kv_get(_SECRET_KEY)
+        if stored:
+            return bytes(stored)
+    raise RuntimeError(f"Ray's internal KV store did not keep {_SECRET_KEY.decode()!r}")
+
+
 def current_actor_handle() -> ray.actor.ActorHandle | None:
     """This process's own actor handle; None in a driver or a task."""
     try:
