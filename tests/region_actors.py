@@ -131,12 +131,18 @@ class RegionReader:
         )
         return dests
 
-    def read_error(self, handle: Any, transport: str | None, timeout: float | None = 30.0) -> str:
-        """The error class and message a read of block 0 raises, and whether the
-        destination stayed untouched."""
+    def read_error(
+        self,
+        handle: Any,
+        transport: str | None,
+        timeout: float | None = 30.0,
+        blocks: tuple[int, int] = (0, 1),
+    ) -> str:
+        """The error class and message a read of ``blocks`` (into blocks 0 and 1)
+        raises, and whether the destination stayed untouched."""
         dests = [torch.zeros(BLOCKS, BLOCK_ELEMS) for _ in range(LAYERS)]
         try:
-            rows = kv_rows([0, 1], [0, 1])
+            rows = kv_rows(list(blocks), [0, 1])
             rd.read_ranges(handle, rows, into=dests, timeout=timeout, tensor_transport=transport)
         except Exception as exc:
             untouched = all(bool((d == 0).all()) for d in dests)

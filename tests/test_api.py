@@ -294,20 +294,3 @@ def test_in_place_write_after_return_warns_when_sent(pair):
         what="mutation warning",
     )
     assert "wait_tensor_freed" in found[0] and "keep" in found[0]
-
-
-def test_cluster_secret_is_one_per_purpose_across_the_cluster(ray_session):
-    """Every process of the cluster derives the same secret for one purpose, and
-    another for another purpose; a bad purpose is refused."""
-
-    @ray.remote(num_cpus=0)
-    def secret(purpose: str) -> bytes:
-        return rd.cluster_secret(purpose)
-
-    mine = rd.cluster_secret("vllm-kv-handoff")
-    assert len(mine) == 32
-    assert ray.get(secret.remote("vllm-kv-handoff")) == mine
-    assert ray.get(secret.remote("other")) == rd.cluster_secret("other") != mine
-    for bad in ("", None, b"x"):
-        with pytest.raises(TypeError, match="non-empty string"):
-            rd.cluster_secret(bad)  # type: ignore[arg-type]

@@ -43,7 +43,8 @@ import raydirect as rd
 from raydirect import _region_rows
 from raydirect._consumer import fetch_ranges
 from raydirect._ranges import Ranges
-from raydirect._region_handle import RegionHandle
+from raydirect._region_handle import RegionHandle, encode_meta
+from raydirect.transports import cma
 
 import plugin_transports
 from helpers import wait_for
@@ -262,6 +263,51 @@ def test_a_forged_handle_reads_nothing(owner, reader, transport, forgery):
     assert ray.get(owner.notices.remote(0)) == []
     # The real handle still reads.
     assert_read(ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS, forced(transport))))
+
+
+def _with_cma_meta(handle: RegionHandle, edit: Any) -> RegionHandle:
+    """``handle`` with its metadata re-encoded after ``edit(cma_meta)`` (in place)."""
+    meta = handle.payload().transport_meta  # its cma meta carries the real extent
+    edit(meta["cma"])
+    encoded, frames = encode_meta(meta)
+    return dataclasses.replace(handle, meta=encoded, frames=frames)
+
+
+def _shift_first_address(cma_meta: dict[str, Any]) -> None:
+    addresses = cma._addresses(cma_meta["ptrs"]).copy()
+    addresses[0] += BLOCK_BYTES  # block 0 read from block 1's bytes, and so on
+    cma_meta["ptrs"] = cma._pack_addresses(addresses)
+
+
+@pytest.mark.parametrize("transport", ["auto", "cma"])
+@pytest.mark.parametrize("edit", ["nbytes", "ptrs"])
+def test_a_handle_with_edited_addresses_or_sizes_reads_nothing(owner, reader, transport, edit):
+    # A cma read copies from the addresses and within the sizes the handle names,
+    # with no agent to check them: the seal covers them, so an edit reads nothing
+    # (before, a larger size read past the tensor's end, an address anywhere).
+    handle = ray.get(owner.handle.remote())
+    if edit == "nbytes":
+        forged = dataclasses.replace(handle, nbytes=tuple(2 * n for n in handle.nbytes))
+        blocks = (BLOCKS, BLOCKS + 1)  # past the tensor's real end, inside the forged size
+    else:  # the forged handle keeps the real extent: the reader makes its own
+        forged, blocks = _with_cma_meta(handle, _shift_first_address), (0, 1)
+    error = ray.get(reader.read_error.remote(forged, forced(transport), blocks=blocks))
+    assert error.startswith("ProducerLostError|True|"), error
+    # The real handle still reads.
+    assert_read(ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS, forced(transport))))
+
+
+@pytest.mark.parametrize("lost", ["seal", "ptrs"])
+def test_a_handle_whose_cma_meta_lost_its_seal_or_addresses_is_refused(owner, reader, lost):
+    # Without a seal no check would run; without addresses there is no extent.
+    handle = ray.get(owner.handle.remote())
+    forged = _with_cma_meta(handle, lambda cma_meta: cma_meta.pop(lost))
+    with pytest.raises(ValueError, match="a malformed region handle"):
+        RegionHandle.from_json(forged.to_json()).payload()
+    for transport in TRANSPORTS:  # refused before a transport is chosen
+        error = ray.get(reader.read_error.remote(forged.to_dict(), forced(transport)))
+        assert error.startswith("ValueError|True|a malformed region handle"), error
+    assert_read(ray.get(reader.read.remote(handle, BLOCKS_READ, DEST_BLOCKS)))
 
 
 # ------------------------------------------------------------ notices

@@ -215,3 +215,27 @@ def test_a_reader_of_an_exited_producers_seal_is_told_it_exited(producer):
     assert producer.proc.wait(timeout=30) == 0  # its slabs unlinked at exit
     with pytest.raises(ProducerLostError, match="P.v .* is no longer running"):
         ReadSeal(b"obj", {"seal": slot}, link)
+
+
+def test_a_regions_seal_holds_only_for_its_extent():
+    """A region's seal covers its extent (``region_extent``: its addresses and
+    sizes), which its reader makes from what it reads by: any other extent, or
+    none, fails the check; bytes cannot move between the parts of the digest."""
+    link, extent = _own_link(), _region_seals.region_extent(b"ptrs", [1024, 2048])
+    slot = seals.take(seal_value(b"obj", b"cap", extent))
+    try:
+        ReadSeal(b"obj", {"seal": slot, "extent": extent}, link).check()  # it holds
+        others = [
+            b"",
+            _region_seals.region_extent(b"ptrs", [1024, 4096]),
+            _region_seals.region_extent(b"ptrz", [1024, 2048]),
+            _region_seals.region_extent(b"ptrs", [1024]),
+        ]
+        for other in others:
+            with pytest.raises(ProducerLostError, match="P.v"):
+                ReadSeal(b"obj", {"seal": slot, "extent": other}, link).check()
+        assert seal_value(b"obj", b"cap", extent) != seal_value(b"obj", b"ca", b"p" + extent)
+        with pytest.raises(TransferError, match="extent"):
+            ReadSeal(b"obj", {"seal": slot, "extent": "ab"}, link)
+    finally:
+        seals.release(slot)

@@ -21,10 +21,11 @@ from raydirect._api import (
 from raydirect._broadcast import broadcast
 from raydirect._group_api import create_collective_group, destroy_collective_group
 from raydirect._layouts import WeightsHandle
-from raydirect._ray import cluster_secret, init_ray
+from raydirect._ray import init_ray
 from raydirect._region_handle import RegionHandle
 from raydirect._region_reads import notify_region, read_ranges, read_ranges_async
 from raydirect._regions import Region, export_region
+from raydirect._secrets import cluster_secret
 from raydirect._store import LocalStats
 from raydirect._subscriber import WeightSubscriber
 from raydirect._weights import WeightPublisher

@@ -8,12 +8,9 @@ elsewhere.
 from __future__ import annotations
 
 import functools
-import hashlib
-import hmac
 import logging
 import os
 import random
-import secrets
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -210,6 +207,26 @@ def transport_records() -> list[str]:
     return [k[len(_TRANSPORT_KEY_PREFIX) :].decode() for k in keys]
 
 
+# The root of ``rd.cluster_secret`` where Ray's token authentication is off.
+_SECRET_KEY = b"raydirect/secret/v1"
+_SECRET_TRIES = 3
+
+
+def cluster_random_key(new: bytes) -> bytes:
+    """The cluster's random key in Ray's internal KV store: ``new`` is stored
+    unless a key is already (the first process to ask makes it), then the stored
+    one is read back, so every process gets the same. ``RuntimeError`` when the
+    store keeps losing it."""
+    from ray.experimental import internal_kv
+
+    for _ in range(_SECRET_TRIES):  # deleted between the put and the get: put again
+        internal_kv._internal_kv_put(_SECRET_KEY, new, overwrite=False)
+        stored = internal_kv._internal_kv_get(_SECRET_KEY)
+        if stored:
+            return bytes(stored)
+    raise RuntimeError(f"Ray's internal KV store did not keep {_SECRET_KEY.decode()!r}")
+
+
 def current_actor_handle() -> ray.actor.ActorHandle | None:
     """This process's own actor handle; None in a driver or a task."""
     try:
@@ -364,30 +381,3 @@ os.register_at_fork(before=_note_connection, after_in_child=_in_forked_child)
 def forked_from() -> int | None:
     """The parent's pid when this process was forked from one connected to Ray, else None."""
     return _forked_from
-
-
-_SECRET_KEY = b"raydirect/cluster-secret"
-
-
-@functools.lru_cache(maxsize=16)
-def _secret_for(session: tuple[int, str], purpose: str) -> bytes:
-    from ray.experimental import internal_kv
-
-    root = cluster_auth_token()
-    if root is None:  # no token: a random key kept in the cluster's GCS, the first one wins
-        internal_kv._internal_kv_put(_SECRET_KEY, secrets.token_bytes(32), overwrite=False)
-        root = internal_kv._internal_kv_get(_SECRET_KEY)
-        assert root is not None
-    return hmac.new(root, b"raydirect secret v1 " + purpose.encode(), hashlib.sha256).digest()
-
-
-def cluster_secret(purpose: str) -> bytes:
-    """32 bytes that every process of this Ray cluster derives alike for
-    ``purpose``, and no process outside it can: from Ray's auth token when token
-    authentication is on, else from a random key the first caller keeps in the
-    cluster's GCS (which only members reach). For signing what travels outside
-    the cluster and comes back (the vLLM KV connector's hand-offs)."""
-    if not isinstance(purpose, str) or not purpose:
-        raise TypeError(f"purpose must be a non-empty string, got {purpose!r}")
-    ensure_ray()
-    return _secret_for(session_key(), purpose)

@@ -10,7 +10,8 @@ and each byte transport's metadata (``cma``'s addresses and seal).
 
 It is a bearer capability: whoever holds it can read the region (nothing else;
 the agent checks the id, the capability and every range against the region's
-own sizes) and notify its owner. Its ``repr`` leaves the capability out.
+own sizes, and a ``cma`` reader's seal covers the addresses and sizes it reads
+by: ``payload``) and notify its owner. Its ``repr`` leaves the capability out.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from raydirect import _wire
 from raydirect._payload import Payload, ProducerInfo
+from raydirect._region_seals import region_extent
 from raydirect._tensors import TensorMetas
 
 FORMAT = 1  # bumped when a field changes meaning: an older reader refuses a newer handle
@@ -170,6 +172,7 @@ class RegionHandle:
             transport_meta = _wire.decode_value(json.loads(self.meta), frames, {}) or {}
         except (ValueError, TypeError, KeyError, IndexError) as exc:
             raise ValueError(f"a malformed region handle: its metadata: {exc}") from exc
+        transport_meta = self._with_extent(transport_meta)
         count = len(self.nbytes)
         producer = ProducerInfo(
             agent_address=self.agent,
@@ -191,8 +194,25 @@ class RegionHandle:
             metas=metas,
             transport=self.transport,
             producer=producer,
-            transport_meta=dict(transport_meta),
+            transport_meta=transport_meta,
         )
+
+    def _with_extent(self, transport_meta: Any) -> dict[str, Any]:
+        """The metadata with ``cma``'s extent made here, from the addresses and sizes
+        a ``cma`` read goes by, never taken from the handle: the seal covers the
+        extent (``_region_seals.region_extent``), so an edited address or size
+        reads nothing. ``ValueError`` for metadata with no seal or addresses to
+        check: a handle that dropped them would skip the check."""
+        if not isinstance(transport_meta, dict):
+            raise ValueError("a malformed region handle: its metadata is not a dict")
+        cma = transport_meta.get("cma")
+        if not isinstance(cma, dict) or cma.get("seal") is None:
+            raise ValueError("a malformed region handle: its cma metadata names no seal")
+        ptrs = cma.get("ptrs")
+        if not isinstance(ptrs, bytes):
+            raise ValueError("a malformed region handle: its cma metadata has no addresses")
+        extent = region_extent(ptrs, self.nbytes)
+        return {**transport_meta, "cma": {**cma, "extent": extent}}
 
 
 def encode_meta(transport_meta: dict[str, Any]) -> tuple[str, tuple[str, ...]]:

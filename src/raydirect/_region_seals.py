@@ -1,14 +1,14 @@
 """Seals: one 8-byte word per open region or live object, in shared memory.
 
-A seal holds ``seal_value(id, capability)`` while its region or object may be
-read, and zero once it is closed or freed (``Store.seal``): the free zeroes it
-before the memory can go. A same-node reader (``cma``, ``cuda_ipc``) checks it
-before its copy and again after the last byte has landed, as a seqlock's
-reader does: if it still holds then, the free had not begun, so no byte read
-was memory the producer had handed to another object. Readers may hold an
-object's Payload after its free (Ray keeps a borrowed value whose owner died,
-and that death freed the object), and a region is read while its owner may
-close it.
+A seal holds ``seal_value(id, capability)`` (a region's: and its extent)
+while its region or object may be read, and zero once it is closed or freed
+(``Store.seal``): the free zeroes it before the memory can go. A same-node
+reader (``cma``, ``cuda_ipc``) checks it before its copy and again after the
+last byte has landed, as a seqlock's reader does: if it still holds then, the
+free had not begun, so no byte read was memory the producer had handed to
+another object. Readers may hold an object's Payload after its free (Ray
+keeps a borrowed value whose owner died, and that death freed the object), and
+a region is read while its owner may close it.
 
 Seals live in slabs: files in /dev/shm, ``rd-<pid>-<start time>-seals-<n>``,
 mapped by the producer, and read-only by each reader, which keeps them mapped.
@@ -33,6 +33,7 @@ import mmap
 import os
 import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -43,11 +44,29 @@ _SLAB = 8192  # seals per slab (64 KiB)
 _MAPPED = 64  # reader: slabs kept mapped, the least recently checked let go
 
 
-def seal_value(obj_id: bytes, capability: bytes) -> int:
-    """What a seal holds while its object may be read: a digest of its id and
-    capability (never zero), so that a reader holding another fails the check."""
-    digest = hashlib.blake2b(obj_id + capability, digest_size=8, person=b"raydirect-seal")
+def seal_value(obj_id: bytes, capability: bytes, extent: bytes = b"") -> int:
+    """What a seal holds while its object may be read: a digest of its id,
+    capability and ``extent`` (never zero), so that a reader holding another
+    fails the check. A region's extent (``region_extent``) is where its tensors
+    lie and how long they are: its handle travels outside Ray (JSON, HTTP), and
+    a ``cma`` reader copies from the addresses and within the sizes the handle
+    names, with no agent to check them, so the seal vouches for them too."""
+    if not extent:  # objects: the digest as it has always been
+        digest = hashlib.blake2b(obj_id + capability, digest_size=8, person=b"raydirect-seal")
+    else:  # every part's length too: no bytes can move from one part to the next
+        digest = hashlib.blake2b(digest_size=8, person=b"raydirect-extent")
+        for part in (obj_id, capability, extent):
+            digest.update(len(part).to_bytes(8, "little"))
+            digest.update(part)
     return int.from_bytes(digest.digest(), "little") or 1
+
+
+def region_extent(ptrs: bytes, nbytes: Sequence[int]) -> bytes:
+    """A region's extent, as its seal covers it: the tensors' addresses as
+    ``cma`` packs them (``ptrs``) and their sizes (int64, little-endian). The
+    owner makes it from what it exports; a reader from what it reads by."""
+    sizes = np.asarray(nbytes, dtype="<i8").tobytes()
+    return len(ptrs).to_bytes(8, "little") + ptrs + sizes
 
 
 def slab_path(pid: int, start_time: int, slab: int) -> str:

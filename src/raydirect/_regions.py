@@ -44,6 +44,7 @@ from raydirect import _region_serve as served
 from raydirect._payload import check_usable_here
 from raydirect._ranges import ByteViews
 from raydirect._region_handle import RegionHandle, encode_meta
+from raydirect._region_seals import region_extent
 from raydirect._region_serve import OpenRegion
 from raydirect._split import not_dense
 from raydirect._store import Serving, StoredObject, capability_of, store
@@ -205,19 +206,22 @@ def export_region(
     obj = _stored(originals, views, name, transport)
     if huge_pages:
         _onto_huge_pages(views, list(obj.metas.nbytes), obj.label)
-    handle = _handle_of(obj, names, store.seal(obj), agent.address)
+    handle = _handle_of(obj, names, agent.address)
     state = OpenRegion(obj, on_notice)
     served.add(state)
     store.add_region(obj)
     return Region(state, handle)
 
 
-def _handle_of(
-    obj: StoredObject, names: tuple[str, ...] | None, seal: int, agent: str
-) -> RegionHandle:
-    """What a reader needs: where the tensors are, the seal to check, the agent."""
+def _handle_of(obj: StoredObject, names: tuple[str, ...] | None, agent: str) -> RegionHandle:
+    """What a reader needs: where the tensors are, the seal to check, the agent.
+    Sealed here, once the addresses are known: the handle travels outside Ray
+    (JSON, HTTP requests), and a ``cma`` reader copies from the addresses and
+    within the sizes it names with no agent to check them, so the seal covers
+    them (``region_extent``): an edited address or size fails the check."""
     cross = transport_instance("cma")  # its addresses, and the seal
     meta = cross.extract_tensor_transport_metadata(obj.obj_id, obj.buffers).extra  # type: ignore[arg-type]
+    seal = store.seal(obj, region_extent(meta["ptrs"], obj.metas.nbytes))
     cma_meta = {**meta, "seal": seal, "region": True}  # "region": what a failed seal says
     encoded, frames = encode_meta({"cma": cma_meta, "shm": {"live": True}})
     return RegionHandle(

@@ -262,15 +262,17 @@ class Store:
         return region
 
     # -- seals: what same-node readers check, as a seqlock's reader does (``_region_seals``)
-    def seal(self, obj: StoredObject) -> int:
-        """Give ``obj`` a seal holding ``seal_value(id, capability)`` until it is freed
-        or closed; returns its slot, for the metadata of the transports that check
-        it (``ByteTransport.sealed``). Every object read over such a transport has
-        one, not only regions and objects with a lifetime: a reader may hold an
+    def seal(self, obj: StoredObject, extent: bytes = b"") -> int:
+        """Give ``obj`` a seal holding ``seal_value(id, capability, extent)`` until it
+        is freed or closed; returns its slot, for the metadata of the transports that
+        check it (``ByteTransport.sealed``). Every object read over such a transport
+        has one, not only regions and objects with a lifetime: a reader may hold an
         object's Payload after its free (Ray keeps a borrowed value whose owner
         died, and that death freed the object), and the producer's memory is then
-        another object's."""
-        obj.seal = seals.take(seal_value(obj.obj_id, obj.capability))
+        another object's. ``extent``: a region's (``region_extent``), whose handle
+        travels outside Ray; b"" for an object, sealed before its metadata is
+        extracted and read by the Payload Ray carries to its refs' holders."""
+        obj.seal = seals.take(seal_value(obj.obj_id, obj.capability, extent))
         return obj.seal
 
     @staticmethod

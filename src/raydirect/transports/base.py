@@ -177,7 +177,16 @@ class ReadSeal:
     a region, closed)."""
 
     def __init__(self, obj_id: bytes, extra: dict[str, Any], link: PeerMetadata) -> None:
-        producer, want = link.producer, seal_value(obj_id, link.capability)
+        # A region's extent (made by its reader, RegionHandle.payload): the seal
+        # holds only while the addresses and sizes read by are the exported ones.
+        # An object's metadata has none: sealed before it is extracted, its
+        # addresses travel inside the Payload Ray carries to its refs' holders
+        # (cluster members); a region's handle is the only sealed metadata that
+        # travels outside Ray.
+        extent = extra.get("extent", b"")
+        if not isinstance(extent, bytes):
+            raise TransferError(f"corrupt transport metadata from {link.who}: extent={extent!r}")
+        producer, want = link.producer, seal_value(obj_id, link.capability, extent)
         try:
             self._seal = Seal(extra["seal"], producer.pid, producer.start_time, want)
         except ValueError as exc:

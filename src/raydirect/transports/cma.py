@@ -15,7 +15,10 @@ and that death freed the object). So each read checks the object's or
 region's *seal* (``_region_seals``) before it starts (a closed region, or a
 handle whose id or capability is not the region's, reads nothing) and again
 after its last byte has landed: if the seal still holds then, every byte is
-the object's, never memory its owner had handed to something else.
+the object's, never memory its owner had handed to something else. A region's
+seal covers its extent too (its tensors' addresses and sizes, which its
+handle carries outside Ray): a handle whose ``ptrs`` or ``nbytes`` were edited
+reads nothing, for no agent checks a ``cma`` read's ranges.
 """
 
 from __future__ import annotations
