@@ -13,9 +13,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 import vllm
-from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorHandshakeMetadata
 from vllm.v1.request import RequestStatus
+
+try:  # vLLM 0.32's helper (NixlConnector's); a vLLM without it fingerprints "unknown"
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_current_attn_backends
+except ImportError:  # pragma: no cover
+    get_current_attn_backends = None  # type: ignore[assignment,unused-ignore]
 
 from raydirect.vllm.kv_handoff import (
     MAX_SEALS,
@@ -414,6 +418,7 @@ def fingerprint(vllm_config: VllmConfig) -> dict[str, str]:
             "paths set the same one), or leave it out (the model's path or name)"
         )
     try:
+        assert get_current_attn_backends is not None, "no get_current_attn_backends here"
         backends = ",".join(sorted(b.get_name() for b in get_current_attn_backends(vllm_config)))
     except Exception as exc:  # an engine without attention layers found: still comparable
         backends = f"unknown ({type(exc).__name__})"
