@@ -124,7 +124,7 @@ class Handoff:
             layout=layers_from_dict(entry(section, "layout", where), f"{where}layout"),
             block_size=block_size,
             expires_at=_expiry(entry(section, "expires_at", where)),
-            lease_s=_lease(entry(section, "lease_s", where)),
+            lease_s=lease_seconds(entry(section, "lease_s", where), f"{where}lease_s"),
             seal_slot=whole(slot, f"{where}seal[0]", high=MAX_SEALS - 1),
             secret=_secret(secret),
             fingerprint=_fingerprint(entry(section, "fingerprint", where)),
@@ -236,12 +236,14 @@ def _expiry(value: Any) -> float:
     return expires_at
 
 
-def _lease(value: Any) -> float:
-    lease_s = finite(value, f"{SECTION}.lease_s")
+def lease_seconds(value: Any, name: str) -> float:
+    """A lease's length: above the read margin (a shorter one ends before any
+    decode engine may read) and at most ``MAX_LEASE_S``; NaN and infinities
+    refused (one would never end). The prefill engine's setting and the length a
+    hand-off carries are both checked here."""
+    lease_s = finite(value, name)
     if not READ_MARGIN_S < lease_s <= MAX_LEASE_S:
-        raise KVParamsError(
-            f"{SECTION}.lease_s", f"{lease_s:g} is not in ({READ_MARGIN_S}, {MAX_LEASE_S:g}]"
-        )
+        raise KVParamsError(name, f"{lease_s:g} is not in ({READ_MARGIN_S}, {MAX_LEASE_S:g}]")
     return lease_s
 
 

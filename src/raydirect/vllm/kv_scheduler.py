@@ -30,11 +30,12 @@ from raydirect.vllm.kv_handoff import (
     Lease,
     Read,
     handoff_params,
+    lease_seconds,
     seal_word,
     signing_key,
 )
 from raydirect.vllm.kv_layout import LayerRuns, layers_from_dict, mismatch
-from raydirect.vllm.kv_params import MAX_LEASE_S, KVParamsError, finite, flag
+from raydirect.vllm.kv_params import MAX_LEASE_S, KVParamsError, flag
 
 if TYPE_CHECKING:
     from vllm.config import KVTransferConfig, VllmConfig
@@ -382,9 +383,7 @@ def extra_config(transfer: KVTransferConfig) -> tuple[float, bool]:
     never ends, and P would hold unread blocks for ever."""
     lease = transfer.get_from_extra_config("kv_lease_duration", DEFAULT_LEASE_S)
     try:
-        lease_s = finite(lease, "kv_lease_duration")
-        if not READ_MARGIN_S < lease_s <= MAX_LEASE_S:
-            raise KVParamsError("kv_lease_duration", "out of range")
+        lease_s = lease_seconds(lease, "kv_lease_duration")
     except KVParamsError:
         raise ValueError(
             f"RaydirectConnector: kv_connector_extra_config's kv_lease_duration={lease!r}: "

@@ -94,7 +94,6 @@ class KVWorker:
         self.layout: CacheLayout | None = None
         self.region: rd.Region | None = None
         self._seals = torch.zeros(MAX_SEALS, dtype=torch.int64)
-        self._seal_lock = threading.Lock()
         self._lock = threading.Lock()
         self._leases: dict[str, _Held] = {}
         # request -> (when it arrived, monotonic; the secret it carries), oldest first
@@ -196,9 +195,9 @@ class KVWorker:
         return sent, done
 
     def _clear_seal(self, slot: int, word: int) -> None:
-        with self._seal_lock:
-            if int(self._seals[slot]) == word:  # else a later hand-off has it already
-                self._seals[slot] = 0
+        # Seal words are written on the engine's step thread alone (start, results).
+        if int(self._seals[slot]) == word:  # else a later hand-off has it already
+            self._seals[slot] = 0
 
     def _log_forged(self, request: str) -> None:
         if self._forged == 1:
